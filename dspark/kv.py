@@ -206,3 +206,12 @@ class SlotCache(Cache):
             layer.length = longest
         ar = torch.arange(longest, device=self.device)
         self.valid = ar[None, :] < self.lengths[:, None]
+
+    def drop_last_slots(self, n: int) -> None:
+        """Undo the last `n` single-slot commits made for every row (a drafter's scratch steps)."""
+        if n <= 0:
+            return
+        for layer in self.layers:
+            layer.length -= n
+        self.valid = self.valid[:, :-n]
+        self.lengths = self.lengths - n

@@ -1,0 +1,123 @@
+"""SPS(B): the target's forward steps per second with B tokens in the batch.
+
+Profiled once on the actual device at start-up (a warm KV cache, growing token counts) and
+cached per model, device, dtype and torch version, so the `dspark` scheduler prices a
+verification token by what it really costs on this hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.models import TargetModel, cache_root
+
+PROFILE_TOKENS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Forward latency (seconds) measured at token counts; linear in between, extrapolated
+    linearly from the last two points above the largest measured count."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.seconds) or not self.tokens:
+            raise ValueError("cost table needs matching, non-empty tokens and seconds")
+        if list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError("cost table tokens must be strictly increasing")
+
+    def latency(self, b: int) -> float:
+        xs, ys = self.tokens, self.seconds
+        if b <= xs[0]:
+            return ys[0]
+        if b >= xs[-1]:
+            if len(xs) == 1:
+                return ys[0] * b / xs[0]
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + slope * (b - xs[-1])
+        i = bisect_left(xs, b)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+
+    def sps(self, b: int) -> float:
+        return 1.0 / self.latency(b)
+
+    @staticmethod
+    def monotone(tokens: list[int], seconds: list[float]) -> "CostTable":
+        """More tokens never cost less: take the running maximum of noisy measurements."""
+        out, best = [], 0.0
+        for s in seconds:
+            best = max(best, s)
+            out.append(best)
+        return CostTable(tuple(tokens), tuple(out))
+
+
+def _profile_key(target: TargetModel, context: int) -> str:
+    blob = f"{target.name}|{target.vocab_size}|{target.model.config.num_hidden_layers}|{target.model.config.hidden_size}|{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@torch.no_grad()
+def measure_cost_table(
+    target: TargetModel, context: int = 256, token_counts: tuple[int, ...] = PROFILE_TOKENS, reps: int = 3
+) -> CostTable:
+    """Time one forward of B new tokens on top of a `context`-token cache, for each B."""
+    from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
+
+    runner = ModelRunner(target.model)
+    g = torch.Generator().manual_seed(0)
+    vocab = target.vocab_size
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    base, _ = runner.prefill([prompt])
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    seconds = []
+    for b in token_counts:
+        times = []
+        for _ in range(reps + 1):  # first run warms up kernels for this shape
+            runner.cache = base
+            block = torch.randint(0, vocab, (b,), generator=g).tolist()
+            sync()
+            t0 = time.perf_counter()
+            runner.forward_block([(block, list(range(-1, b - 1)))])
+            sync()
+            times.append(time.perf_counter() - t0)
+            base.commit([[]])  # drop the block again: the cache returns to `context` tokens
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    return CostTable.monotone(list(token_counts), seconds)
+
+
+def load_or_profile(target: TargetModel, context: int = 256, refresh: bool = False) -> CostTable:
+    """The cached cost table for this model/device/dtype, profiling it on first use."""
+    path = Path(cache_root()) / "cost_tables" / f"{_profile_key(target, context)}.json"
+    if path.is_file() and not refresh:
+        data = json.loads(path.read_text())
+        return CostTable(tuple(data["tokens"]), tuple(data["seconds"]))
+    table = measure_cost_table(target, context)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {
+                "model": target.name,
+                "device": _device_name(target.device),
+                "dtype": str(target.dtype),
+                "context": context,
+                "tokens": list(table.tokens),
+                "seconds": list(table.seconds),
+            },
+            indent=1,
+        )
+    )
+    return table

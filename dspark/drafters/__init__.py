@@ -1,0 +1,36 @@
+"""Drafter registry: build a drafter from its name.
+
+    none                 no drafting (plain autoregressive)
+    ngram                model-free context lookup, multi-candidate trees
+    draft-model:PATH     a smaller causal LM sharing the target's tokenizer (dir or .gguf)
+    dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint)
+"""
+
+from __future__ import annotations
+
+from dspark.drafters.base import DraftRequest, Drafter, DrafterBase, NoDrafter, VerifyOutcome
+from dspark.drafters.ngram import NgramDrafter
+from dspark.models import TargetModel
+
+__all__ = ["DraftRequest", "Drafter", "DrafterBase", "NoDrafter", "NgramDrafter", "VerifyOutcome", "make_drafter"]
+
+
+def make_drafter(spec: str, target: TargetModel) -> Drafter:
+    name, _, arg = spec.strip().partition(":")
+    if name in ("none", "ar", ""):
+        return NoDrafter()
+    if name == "ngram":
+        return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
+    if name == "draft-model":
+        if not arg:
+            raise ValueError("draft-model needs a path: draft-model:/path/to/model")
+        from dspark.drafters.draft_model import DraftModelDrafter
+        from dspark.models import load_model
+
+        draft = load_model(arg, device=str(target.device), dtype=target.dtype)
+        return DraftModelDrafter(draft, target)
+    if name == "dspark":
+        from dspark.dspark_drafter import load_drafter  # the trained block drafter (issue 3)
+
+        return load_drafter(arg or None, target)
+    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH or dspark[:PATH]")

@@ -1,0 +1,137 @@
+"""Drafter checkpoints: a directory with `model.safetensors` (trainable weights only) and
+`config.json` (architecture, STS temperatures, target fingerprint, training notes).
+
+The target's embedding and LM head are not stored: they are shared, frozen and re-attached
+from the target at load time, which is why loading checks the target's fingerprint first.
+Only safetensors is read: no pickle, ever.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
+
+FORMAT = "dspark-drafter"
+VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+class TargetMismatchError(ValueError):
+    """The checkpoint was trained for a different target model."""
+
+
+@dataclass
+class Fingerprint:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tokenizer_hash: str
+
+    @staticmethod
+    def of(target) -> "Fingerprint":
+        """Fingerprint of a `dspark.models.TargetModel`."""
+        cfg = target.model.config
+        return Fingerprint(
+            name=target.name,
+            vocab_size=int(target.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            num_layers=int(cfg.num_hidden_layers),
+            tokenizer_hash=target.tokenizer_hash(),
+        )
+
+
+def check_fingerprint(saved: dict, target, where: str = "checkpoint", allow_name_mismatch: bool = False) -> None:
+    """Raise TargetMismatchError naming every field that differs."""
+    have = Fingerprint.of(target).__dict__
+    diffs = []
+    for key in ("vocab_size", "hidden_size", "num_layers", "tokenizer_hash", "name"):
+        if key == "name" and allow_name_mismatch:
+            continue
+        if key in saved and saved[key] != have[key]:
+            diffs.append(f"{key}: drafter expects {saved[key]!r}, target has {have[key]!r}")
+    if diffs:
+        raise TargetMismatchError(
+            f"The DSpark drafter at {where} was trained for target {saved.get('name')!r}, "
+            f"not for {have['name']!r}: " + "; ".join(diffs)
+            + ". Train a drafter for this target (python -m pipelines.train_drafter) or pick the matching target."
+        )
+
+
+@dataclass
+class Checkpoint:
+    config: DSparkConfig
+    state: dict[str, torch.Tensor]
+    temperatures: list[float] | None = None
+    target: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # calibration figures, training card data
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: DSparkModel,
+    target_fingerprint: Fingerprint | dict,
+    temperatures: list[float] | None = None,
+    extra: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write weights (in `dtype`, bf16 by default: half the size) and config atomically."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    fp = target_fingerprint.__dict__ if isinstance(target_fingerprint, Fingerprint) else dict(target_fingerprint)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "architecture": model.cfg.to_dict(),
+        "calibration": {"temperatures": temperatures},
+        "target": fp,
+        "extra": extra or {},
+    }
+    tmp_w, tmp_c = out / (WEIGHTS + ".tmp"), out / (CONFIG + ".tmp")
+    save_file(state, str(tmp_w), metadata={"format": "pt", "dspark": FORMAT})
+    tmp_c.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    tmp_w.replace(out / WEIGHTS)
+    tmp_c.replace(out / CONFIG)
+    return out
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    p = Path(path)
+    if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{p} is not a DSpark drafter checkpoint (needs {CONFIG} and {WEIGHTS})")
+    meta = json.loads((p / CONFIG).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{p / CONFIG} is not a {FORMAT} config (format={meta.get('format')!r})")
+    if int(meta.get("version", 0)) > VERSION:
+        raise ValueError(f"{p} has checkpoint version {meta['version']}; this DSpark reads up to {VERSION}")
+    return Checkpoint(
+        config=DSparkConfig.from_dict(meta["architecture"]),
+        state=load_file(str(p / WEIGHTS)),
+        temperatures=(meta.get("calibration") or {}).get("temperatures"),
+        target=meta.get("target") or {},
+        extra=meta.get("extra") or {},
+    )
+
+
+def load_model_for_target(
+    path: str | Path, target, allow_name_mismatch: bool = False, dtype: torch.dtype | None = None
+) -> tuple[DSparkModel, Checkpoint]:
+    """Read a checkpoint, check it belongs to `target` (a TargetModel), attach the target's
+    shared weights. The model is returned in eval mode in `dtype` (default: the target's)."""
+    ck = read_checkpoint(path)
+    check_fingerprint(ck.target, target, where=str(path), allow_name_mismatch=allow_name_mismatch)
+    model = build_model(ck.config, target.model)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in ck.state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+    model.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
+    return model, ck

@@ -1,0 +1,188 @@
+"""The decode loop: continuous batching, one target forward per round for the whole batch.
+
+Each round:
+  draft     the drafter proposes a tree per active row (anchor = the row's last token)
+  schedule  the scheduler picks how many nodes per row to verify (highest survival first)
+  verify    one forward over [anchor, nodes...] per row (ragged, tree attention)
+  accept    greedy match or rejection sampling per row; commit the accepted slots
+  emit      append accepted tokens + the target's own token; stop on EOS/stop/length
+Finished rows leave the batch and queued requests are prefilled into the free places.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.drafters.base import DraftRequest, Drafter, VerifyOutcome
+from dspark.metrics import RequestStats
+from dspark.models import TargetModel
+from dspark.runner import ModelRunner
+from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.schedulers import Scheduler
+from dspark.tree import DraftTree, top_survival_nodes
+from dspark.verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    # filled in by the engine
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_admit: float = 0.0
+    t_first: float | None = None
+    t_done: float = 0.0
+    stop_text_len: int | None = None  # text cut point when a stop string matched
+
+    @property
+    def latency_s(self) -> float:
+        return self.t_done - self.t_admit
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.t_first or self.t_done) - self.t_admit
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter,
+        scheduler: Scheduler,
+        max_batch_size: int = 8,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.scheduler = scheduler
+        self.max_batch_size = max_batch_size
+        self.runner = ModelRunner(target.model, hidden_layers=tuple(drafter.target_layers))
+        self.eos = set(target.eos_token_ids)
+        self.vocab = target.vocab_size
+
+    # --- admission -------------------------------------------------------------------------
+    def _admit(self, new: list[Request], active: list[tuple[Request, DraftRequest]]) -> None:
+        now = time.perf_counter()
+        fresh, hidden = self.runner.prefill([r.prompt_ids[:-1] for r in new])
+        self.runner.cache.append_rows(fresh)
+        for b, req in enumerate(new):
+            req.t_admit = now
+            gen = None
+            if not req.sampling.greedy:
+                gen = torch.Generator(device="cpu").manual_seed(req.seed if req.seed is not None else req.index)
+            dreq = DraftRequest(req.index, list(req.prompt_ids), req.sampling, state={"generator": gen})
+            prompt_hidden = None
+            if hidden is not None:
+                n = len(req.prompt_ids) - 1
+                prompt_hidden = [h[b, :n] for h in hidden]
+            self.drafter.start(dreq, prompt_hidden)
+            active.append((req, dreq))
+
+    def _retire(self, active: list[tuple[Request, DraftRequest]]) -> list[tuple[Request, DraftRequest]]:
+        keep = [i for i, (req, _) in enumerate(active) if req.finish_reason is None]
+        if len(keep) == len(active):
+            return active
+        for req, dreq in active:
+            if req.finish_reason is not None:
+                self.drafter.finish(dreq)
+        self.runner.cache.select_rows(keep)
+        return [active[i] for i in keep]
+
+    # --- one round -------------------------------------------------------------------------
+    def _schedule(self, trees: list[DraftTree]) -> list[DraftTree]:
+        budgets = self.scheduler.budgets(trees)
+        out = []
+        for tree, budget in zip(trees, budgets):
+            if budget >= len(tree):
+                out.append(tree)
+            else:
+                out.append(tree.subset(top_survival_nodes(tree, budget)))
+        return out
+
+    def _round(self, active: list[tuple[Request, DraftRequest]]) -> None:
+        dreqs = [d for _, d in active]
+        t0 = time.perf_counter()
+        depth = self.scheduler.max_depth
+        drafted = self.drafter.propose(dreqs, depth) if depth > 0 else [DraftTree() for _ in dreqs]
+        t1 = time.perf_counter()
+        trees = self._schedule(drafted)
+        blocks = [([d.token_ids[-1]] + t.tokens, [-1] + [p + 1 for p in t.parents]) for d, t in zip(dreqs, trees)]
+        out = self.runner.forward_block(blocks)
+        logits = out.logits[..., : self.vocab]
+        greedy_rows = [i for i, (r, _) in enumerate(active) if r.sampling.greedy]
+        argmax = logits.argmax(-1).tolist() if greedy_rows else None
+        verdicts = []
+        for i, ((req, dreq), tree) in enumerate(zip(active, trees)):
+            if req.sampling.greedy:
+                verdicts.append(verify_greedy(tree, argmax[i]))
+            else:
+                probs = probs_from_logits(logits[i, : len(tree) + 1], req.sampling)
+                verdicts.append(verify_sampling(tree, probs, dreq.state.get("generator")))
+        keep = [[0] + [k + 1 for k in v.accepted_nodes] for v in verdicts]
+        self.runner.cache.commit(keep)
+        t2 = time.perf_counter()
+        for i, ((req, dreq), tree, verdict) in enumerate(zip(active, trees, verdicts)):
+            st = req.stats
+            st.draft_s += (t1 - t0) / len(active)
+            st.verify_s += (t2 - t1) / len(active)
+            depths = tree.depths()
+            st.record_round(len(drafted[i]), depths, len(verdict.accepted_nodes), list(tree.confidence))
+            new_tokens = [tree.tokens[k] for k in verdict.accepted_nodes] + [verdict.next_token]
+            self._emit(req, new_tokens, t2)
+            dreq.token_ids.extend(new_tokens)
+            hidden = None
+            if out.hidden is not None:
+                idx = torch.tensor(keep[i], device=out.hidden[0].device)
+                hidden = [h[i].index_select(0, idx) for h in out.hidden]
+            self.drafter.observe(dreq, VerifyOutcome(req.index, tree, verdict.accepted_nodes, verdict.next_token, hidden))
+        self.runner.cache.maybe_compact()
+
+    def _emit(self, req: Request, tokens: list[int], now: float) -> None:
+        if req.t_first is None:
+            req.t_first = now
+        room = self.target.max_context - len(req.prompt_ids) - self.scheduler.max_depth - 1
+        for tok in tokens:
+            req.output_ids.append(tok)
+            if tok in self.eos:
+                req.finish_reason = "eos"
+            elif req.stop_strings and self._hit_stop(req):
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) >= room:
+                req.finish_reason = "length"
+            if req.finish_reason:
+                req.t_done = now
+                return
+
+    def _hit_stop(self, req: Request) -> bool:
+        text = self.target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in req.stop_strings if s and s in text]
+        if cuts:
+            req.stop_text_len = min(cuts)
+            return True
+        return False
+
+    # --- the loop --------------------------------------------------------------------------
+    def run(self, requests: list[Request], on_finish: Callable[[Request], None] | None = None) -> list[Request]:
+        queue = deque(requests)
+        active: list[tuple[Request, DraftRequest]] = []
+        while queue or active:
+            room = self.max_batch_size - len(active)
+            if queue and room > 0:
+                self._admit([queue.popleft() for _ in range(min(room, len(queue)))], active)
+            self._round(active)
+            finished = [r for r, _ in active if r.finish_reason is not None]
+            active = self._retire(active)
+            if on_finish is not None:
+                for r in finished:
+                    on_finish(r)
+        return requests
