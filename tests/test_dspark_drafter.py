@@ -1,0 +1,315 @@
+"""DSpark drafter: block forward, heads, losses, STS, checkpoints and the engine plug-in."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.drafters.base import DraftRequest, VerifyOutcome
+from dspark.dspark_drafter import (
+    DrafterOptions,
+    DSparkConfig,
+    DSparkDrafter,
+    Fingerprint,
+    TargetMismatchError,
+    build_model,
+    load_drafter,
+    save_checkpoint,
+)
+from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
+from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
+from dspark.dspark_drafter.model import block_attention_mask
+from dspark.sampling import SamplingParams
+from dspark.training.tiny import tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0)
+
+
+def make_model(target, **kw):
+    torch.manual_seed(1)
+    cfg = DSparkConfig.for_target(target.model.config, num_layers=2, num_heads=4, num_kv_heads=2, context_len=8, gamma=5, markov_rank=8, **kw)
+    return build_model(cfg, target.model)
+
+
+def rand_ctx(model, b=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, m, dt = model.cfg.context_len, len(model.cfg.target_layers), model.cfg.target_hidden_size
+    feats = torch.randn(b, n, m * dt, generator=g)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :5] = False  # a short context, left-padded
+    return model.project_context(feats), valid
+
+
+# ---------------------------------------------------------------- block forward
+
+
+def test_block_mask_shape_and_content():
+    valid = torch.tensor([[True, True, True], [False, False, True]])
+    m = block_attention_mask(valid, 4)
+    assert m.shape == (2, 1, 4, 7)
+    assert m[0].all()  # full context + bidirectional block
+    assert not m[1, 0, :, :2].any() and m[1, 0, :, 2:].all()
+
+
+def test_block_forward_shapes(target):
+    model = make_model(target)
+    ctx, valid = rand_ctx(model)
+    out = model.forward_block(ctx, valid, torch.tensor([4, 5, 6]))
+    g, v, d = model.cfg.gamma, model.cfg.vocab_size, model.cfg.hidden_size
+    assert out.hidden.shape == (3, g, d)
+    assert out.base_logits.shape == (3, g, v) and out.base_logits.dtype == torch.float32
+    assert out.conf_h.shape == (3, g)
+    assert model.block_inputs(torch.tensor([4])).shape == (1, g, d)
+
+
+def test_context_injection_matters_and_padding_is_ignored(target):
+    model = make_model(target)
+    ctx, valid = rand_ctx(model)
+    anchors = torch.tensor([4, 5, 6])
+    base = model.forward_block(ctx, valid, anchors).base_logits
+    changed = ctx.clone()
+    changed[:, -1] += 1.0  # the newest committed position
+    assert not torch.allclose(model.forward_block(changed, valid, anchors).base_logits, base)
+    padded = ctx.clone()
+    padded[1, :5] = 123.0  # masked-out slots of row 1
+    same = model.forward_block(padded, valid, anchors).base_logits
+    torch.testing.assert_close(same[1], base[1])
+
+
+def test_attention_inside_block_is_bidirectional(target):
+    model = make_model(target)
+    ctx, valid = rand_ctx(model)
+    anchors = torch.tensor([4, 5, 6])
+    base = model.forward_block(ctx, valid, anchors).hidden
+    with torch.no_grad():
+        model.mask_embed.add_(0.5)  # only positions >= 1 hold mask embeddings
+    after = model.forward_block(ctx, valid, anchors).hidden
+    assert not torch.allclose(after[:, 0], base[:, 0])  # position 0 sees later positions
+
+
+def test_shared_weights_are_frozen_and_not_stored(target):
+    model = make_model(target)
+    emb = target.model.get_input_embeddings().weight
+    assert model.embed_weight.data_ptr() == emb.data_ptr()  # shared, not copied
+    names = {n for n, _ in model.named_parameters()}
+    assert not any("embed_weight" in n or "lm_head" in n for n in names)
+    assert "embed_weight" not in model.state_dict() and "lm_head_weight" not in model.state_dict()
+    before = emb.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ctx, valid = rand_ctx(model)
+    tokens = torch.randint(3, 96, (3, model.cfg.gamma + 1))
+    logits, conf = model.teacher_forced(ctx, valid, tokens)
+    (logits.logsumexp(-1).mean() + conf.mean()).backward()
+    opt.step()
+    torch.testing.assert_close(emb, before)
+
+
+def test_markov_bias_and_confidence_use_previous_token_only(target):
+    model = make_model(target)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+        model.conf_head.weight.normal_()
+    ctx, valid = rand_ctx(model)
+    tokens = torch.randint(3, 96, (3, model.cfg.gamma + 1))
+    logits, conf = model.teacher_forced(ctx, valid, tokens)
+    other = tokens.clone()
+    other[:, 3] = (other[:, 3] + 1 - 3) % 93 + 3  # y_3 changes: position 3 (prev of 4) differs
+    logits2, conf2 = model.teacher_forced(ctx, valid, other)
+    # columns: position k (1-based) uses prev token tokens[:, k-1]
+    torch.testing.assert_close(conf2[:, :3], conf[:, :3])  # positions 1..3 do not see y_3
+    assert not torch.allclose(conf2[:, 3], conf[:, 3])  # position 4 conditions on y_3
+    assert not torch.allclose(logits2[:, 3], logits[:, 3])
+    torch.testing.assert_close(logits2[:, 4:], logits[:, 4:])
+
+
+def test_parallel_only_ablation_has_no_markov_head(target):
+    model = make_model(target, )
+    model0 = build_model(DSparkConfig(**{**model.cfg.to_dict(), "markov_rank": 0}), target.model)
+    assert not any("markov" in n for n, _ in model0.named_parameters())
+    ctx, valid = rand_ctx(model0)
+    tokens = torch.randint(3, 96, (3, model0.cfg.gamma + 1))
+    logits, _ = model0.teacher_forced(ctx, valid, tokens)
+    out = model0.forward_block(ctx, valid, tokens[:, 0])
+    torch.testing.assert_close(logits, out.base_logits)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def test_position_weights():
+    torch.testing.assert_close(position_weights(4), torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))
+
+
+def test_loss_matches_hand_computation():
+    # one block, G = 2, V = 2: p_d = softmax([0, 0]) = [.5, .5]; softmax([ln 3, 0]) = [.75, .25]
+    draft = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])
+    target = torch.tensor([[[math.log(3.0), 0.0], [math.log(3.0), 0.0]]])  # p_t = [.75, .25] twice
+    labels = torch.tensor([[0, 1]])
+    conf = torch.tensor([[0.0, math.log(4.0)]])  # c = .5 and .8
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    out = dspark_loss(draft, target, labels, conf, valid)
+    w1, w2 = 1.0, math.exp(-0.5)
+    ce = (w1 * -math.log(0.5) + w2 * -math.log(0.25)) / (w1 + w2)
+    tv = (w1 * 0.5 + w2 * 0.0) / (w1 + w2)  # ||[.5,.5]-[.75,.25]||_1 = .5; identical -> 0
+    # soft labels: 1 - .25 = .75 and 1; BCE(c, y) = -(y log c + (1-y) log(1-c))
+    b1 = -(0.75 * math.log(0.5) + 0.25 * math.log(0.5))
+    b2 = -math.log(0.8)
+    conf_l = (w1 * b1 + w2 * b2) / (w1 + w2)
+    assert out.ce.item() == pytest.approx(ce, rel=1e-5)
+    assert out.tv.item() == pytest.approx(tv, rel=1e-5)
+    assert out.conf.item() == pytest.approx(conf_l, rel=1e-5)
+    assert out.total.item() == pytest.approx(0.1 * ce + 0.9 * tv + 1.0 * conf_l, rel=1e-5)
+    # an invalid position drops out of every term
+    out2 = dspark_loss(draft, target, labels, conf, torch.tensor([[True, False]]))
+    assert out2.ce.item() == pytest.approx(-math.log(0.5), rel=1e-5)
+    assert dspark_loss(draft, target, labels, conf, valid, LossWeights(1, 0, 0)).total.item() == pytest.approx(ce, rel=1e-5)
+
+
+def test_loss_gradient_does_not_flow_through_soft_label():
+    draft = torch.zeros(1, 1, 3, requires_grad=True)
+    target = torch.tensor([[[2.0, 0.0, 0.0]]])
+    conf = torch.zeros(1, 1)
+    out = dspark_loss(draft, target, torch.tensor([[0]]), conf, torch.ones(1, 1, dtype=torch.bool), LossWeights(0, 0, 1))
+    out.total.backward()
+    assert draft.grad.abs().max() == 0  # Conf trains only the confidence head
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_ece_and_auc_basics():
+    assert ece(np.array([0.9, 0.9]), np.array([1, 0])) == pytest.approx(0.4)
+    assert roc_auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
+
+
+def test_sts_reduces_ece_on_overconfident_set():
+    rng = np.random.default_rng(0)
+    n, g = 4000, 5
+    true_logit = rng.normal(0.5, 1.5, size=(n, g))
+    accepted = (rng.random((n, g)) < sigmoid(true_logit)).astype(float)
+    overconfident = 3.0 * true_logit  # logits 3x too sharp
+    res = sequential_temperature_scaling(overconfident, accepted)
+    assert res.ece_before > 0.05
+    assert res.ece_after < 0.02
+    assert res.ece_after < res.ece_before / 3
+    assert 2.0 < res.temperatures[0] < 4.5  # recovers the over-sharpening at position 1
+    assert res.auc_after > 0.7
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip(tmp_path, target):
+    model = make_model(target)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), temperatures=[1.5] * 5, dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "ck", target)
+    assert drafter.temperatures.tolist() == [1.5] * 5
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(drafter.model.state_dict()[k], v)
+    assert drafter.target_layers == model.cfg.target_layers
+    # bf16 default halves the size and still loads
+    save_checkpoint(tmp_path / "bf", model, Fingerprint.of(target))
+    load_drafter(tmp_path / "bf", target)
+
+
+def test_checkpoint_refuses_another_target(tmp_path, target):
+    model = make_model(target)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target))
+    other = tiny_target(seed=0, vocab_size=80, name="tiny-other")
+    with pytest.raises(TargetMismatchError, match="vocab_size.*tokenizer_hash"):
+        load_drafter(tmp_path / "ck", other)
+    renamed = tiny_target(seed=0, name="tiny-renamed")  # same tokenizer, other model
+    with pytest.raises(TargetMismatchError, match="name"):
+        load_drafter(tmp_path / "ck", renamed)
+    load_drafter(tmp_path / "ck", renamed, allow_name_mismatch=True)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path, target):
+    with pytest.raises(FileNotFoundError, match="not a DSpark drafter checkpoint"):
+        load_drafter(tmp_path, target)
+    with pytest.raises(FileNotFoundError, match="No shipped DSpark drafter"):
+        load_drafter("default", target)
+
+
+# ---------------------------------------------------------------- engine plug-in
+
+
+def fake_hidden(drafter, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, drafter.cfg.target_hidden_size, generator=g) for _ in drafter.target_layers]
+
+
+def test_plugin_lifecycle_and_chain(target):
+    drafter = DSparkDrafter(make_model(target), options=DrafterOptions(branch_width=1), eos_token_ids=[])
+    req = DraftRequest(0, [5, 6, 7, 8], SamplingParams())
+    drafter.start(req, fake_hidden(drafter, 3))
+    assert req.state["ctx"].shape == (3, drafter.cfg.hidden_size)
+    (tree,) = drafter.propose([req], max_depth=4)
+    tree.validate(96)
+    assert len(tree) == 4 and tree.is_chain() and all(q is None for q in tree.q)
+    drafter.observe(req, VerifyOutcome(0, tree, [0], 9, hidden=fake_hidden(drafter, 10, seed=1)))
+    assert req.state["ctx"].shape == (drafter.cfg.context_len, drafter.cfg.hidden_size)  # trimmed to N
+    assert drafter.propose([req], max_depth=0)[0].tokens == []
+    assert len(drafter.propose([req], max_depth=50)[0]) == drafter.cfg.gamma  # capped at gamma
+    drafter.finish(req)
+    assert req.state == {}
+
+
+def test_plugin_batch_matches_single(target):
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[])
+    reqs = [DraftRequest(i, [5 + i, 6, 7], SamplingParams()) for i in range(3)]
+    for i, r in enumerate(reqs):
+        drafter.start(r, fake_hidden(drafter, 2 + 2 * i, seed=i))
+    batch = drafter.propose(reqs, 5)
+    for r, t in zip(reqs, batch):
+        (single,) = drafter.propose([r], 5)
+        assert single.tokens == t.tokens and single.parents == t.parents
+        assert single.confidence == pytest.approx(t.confidence, abs=1e-5)
+
+
+def test_plugin_branches_with_three_candidates(target):
+    model = make_model(target)
+    drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=3, branch_ratio=0.0, branch_extend=1, max_nodes=64), eos_token_ids=[])
+    req = DraftRequest(0, [5, 6, 7], SamplingParams())
+    drafter.start(req, fake_hidden(drafter, 2))
+    (tree,) = drafter.propose([req], 4)
+    tree.validate(96)
+    kids = tree.children()
+    assert len(kids[0]) == 3  # three candidates after the anchor
+    assert all(q is None for q in tree.q)
+    assert tree.max_depth() == 4
+    first = kids[0]
+    conf = [tree.confidence[i] for i in first]
+    assert conf[0] >= conf[1] >= conf[2]  # siblings in priority order
+    # the confidence of the main child equals that of its sibling's would-be path start: it
+    # depends on the anchor only, so every depth-1 node shares the same c_1 basis
+    assert all(0.0 <= c <= 1.0 for c in tree.confidence)
+
+
+def test_plugin_sampling_chain_has_distributions(target):
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3)
+    req = DraftRequest(0, [5, 6, 7], SamplingParams(temperature=0.8, top_k=20))
+    drafter.start(req, fake_hidden(drafter, 2))
+    (tree,) = drafter.propose([req], 5)
+    tree.validate(96)
+    assert tree.is_chain() and len(tree) == 5
+    for tok, q in zip(tree.tokens, tree.q):
+        assert q is not None and q.shape == (96,)
+        assert float(q.sum()) == pytest.approx(1.0, abs=1e-5)
+        assert q[tok] > 0 and int((q > 0).sum()) <= 20
+
+
+def test_plugin_without_prompt_hidden_still_drafts(target):
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[])
+    req = DraftRequest(0, [5], SamplingParams())
+    drafter.start(req, None)
+    (tree,) = drafter.propose([req], 3)
+    assert len(tree) >= 3
