@@ -1,0 +1,379 @@
+"""Calling the DSpark engine from Beam: one model per worker process, many rows per call.
+
+The generator is built in `setup()` (never pickled into the job graph) and shared by every
+thread of the worker process through `apache_beam.utils.shared`, so a process holds one model
+copy; calls into it are serialised by a lock because the engine keeps per-call state.
+
+Each element is (shard, [PromptRow, ...]) from GroupIntoBatches: one engine call generates the
+whole list with continuous batching (`--batch-size` rows decode together). If the call raises,
+the list is split in halves and each half retried, down to single rows; a row that still fails
+alone goes to the dead letter, so one bad row costs O(log n) extra calls and the rest of the
+batch completes. A CUDA out-of-memory error empties the allocator cache before the split,
+which is the same halving a smaller batch would need.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.utils import shared
+
+from transforms.prompts import clip, render
+from transforms.records import BatchReport, DeadLetter, GenerationRecord, PromptRow, SpecStats
+from transforms.schema import ErrorType
+
+LOG = logging.getLogger(__name__)
+DEAD_LETTER_TAG = "dead_letter"
+BATCH_REPORT_TAG = "batch_report"
+
+SPEC_FIELDS = ("drafted", "verified", "accepted", "rounds", "emitted")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine to build on each worker (strings only: cheap to pickle, easy to log)."""
+
+    target: str = "smollm2-135m-instruct"
+    drafter: str = "ngram"
+    scheduler: str = "dspark"
+    dtype: str = "auto"
+    device: str = "auto"
+    batch_size: int = 16
+    trust_remote_code: bool = False
+
+    def key(self) -> str:
+        return repr(self)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How to generate: passed to every `generate` call."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    chat: bool = True
+    truncate_prompts: bool = False
+    progress: bool = False
+
+
+def build_generator(spec: EngineSpec):
+    """The real engine. Imported lazily so the launcher never loads torch models."""
+    from dspark.generator import DSparkGenerator
+
+    return DSparkGenerator.from_names(
+        target=spec.target,
+        drafter=spec.drafter,
+        scheduler=spec.scheduler,
+        device=spec.device,
+        dtype=spec.dtype,
+        max_batch_size=spec.batch_size,
+        trust_remote_code=spec.trust_remote_code,
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+def free_accelerator_cache() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # cleanup must never hide the original error
+        pass
+
+
+def call_isolating_failures(
+    call: Callable[[list[T]], Sequence[R]],
+    items: list[T],
+    on_split: Callable[[int, BaseException], None] | None = None,
+) -> list[R | Exception]:
+    """`call(items)`, and on an exception retry each half, recursively. Returns one result per
+    item in order; an item that fails on its own gets its exception instead of a result."""
+    if not items:
+        return []
+    try:
+        results = list(call(items))
+        if len(results) != len(items):
+            raise RuntimeError(f"engine returned {len(results)} results for {len(items)} prompts")
+        return results
+    except Exception as exc:
+        if len(items) == 1:
+            return [exc]
+        if is_out_of_memory(exc):
+            free_accelerator_cache()
+        if on_split is not None:
+            on_split(len(items), exc)
+        middle = len(items) // 2
+        return call_isolating_failures(call, items[:middle], on_split) + call_isolating_failures(call, items[middle:], on_split)
+
+
+def spec_stats(stats: Any) -> SpecStats:
+    """The engine's RequestStats as plain counters (emitted = accepted + one per round if absent)."""
+    rounds = int(getattr(stats, "rounds", 0) or 0)
+    accepted = int(getattr(stats, "accepted", 0) or 0)
+    emitted = getattr(stats, "emitted", None)
+    return SpecStats(
+        drafted=int(getattr(stats, "drafted", 0) or 0),
+        verified=int(getattr(stats, "verified", 0) or 0),
+        accepted=accepted,
+        rounds=rounds,
+        emitted=int(emitted) if emitted is not None else accepted + rounds,
+    )
+
+
+def prompt_error_type(kind: str) -> str:
+    return ErrorType.PROMPT_TOO_LONG if kind == "too_long" else ErrorType.PROMPT_ERROR
+
+
+@dataclass
+class Encoded:
+    row: PromptRow
+    ids: list[int]
+    truncated: bool = False
+
+
+def shorten_to_fit(row: PromptRow, text_column: str, template: str, encode: Callable[[str], list[int]], tokenizer) -> Encoded | None:
+    """Cut the end of the text column, token-wise, until the rendered prompt fits (binary search
+    over the number of text tokens kept). None if even one text token does not fit."""
+    text_ids = tokenizer(row.template_values[text_column], add_special_tokens=False)["input_ids"]
+
+    def attempt(keep: int) -> Encoded | None:
+        values = dict(row.template_values, **{text_column: tokenizer.decode(text_ids[:keep])})
+        try:
+            return Encoded(row, encode(render(template, values)), truncated=True)
+        except Exception:
+            return None
+
+    lo, hi, best = 1, len(text_ids) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        found = attempt(mid)
+        if found is None:
+            hi = mid - 1
+        else:
+            best, lo = found, mid + 1
+    return best
+
+
+class GenerateBatchDoFn(beam.DoFn):
+    """(shard, [PromptRow]) -> GenerationRecord; dead letters and a BatchReport as tagged outputs."""
+
+    def __init__(
+        self,
+        engine: EngineSpec,
+        decode: DecodeSpec,
+        text_column: str,
+        template: str,
+        generator_factory: Callable[[EngineSpec], Any] = build_generator,
+    ):
+        self.engine = engine
+        self.decode = decode
+        self.text_column = text_column
+        self.template = template
+        self.generator_factory = generator_factory
+        self._shared = shared.Shared()
+        self.rows_ok = Metrics.counter("dspark", "rows_generated")
+        self.rows_failed = Metrics.counter("dspark", "rows_failed_in_generation")
+        self.output_tokens = Metrics.counter("dspark", "output_tokens")
+        self.engine_calls = Metrics.counter("dspark", "engine_calls")
+        self.batch_splits = Metrics.counter("dspark", "batch_splits_after_error")
+        self.truncated = Metrics.counter("dspark", "prompts_truncated")
+        self.call_seconds = Metrics.distribution("dspark", "engine_call_ms")
+        # summed speculation counters: run_summary.json derives the job's ratios from them
+        self.spec_counters = {name: Metrics.counter("dspark", f"spec_{name}") for name in SPEC_FIELDS}
+
+    def setup(self) -> None:
+        def load() -> _SharedGenerator:
+            started = time.perf_counter()
+            holder = _SharedGenerator(self.generator_factory(self.engine))
+            LOG.info("Loaded %s in %.1f s on %s", self.engine, time.perf_counter() - started, holder.device)
+            return holder
+
+        self._holder = self._shared.acquire(load, tag=self.engine.key())
+
+    # --- steps -------------------------------------------------------------------------
+    def _encode(self, rows: list[PromptRow]) -> tuple[list[Encoded], list[DeadLetter]]:
+        gen, encoded, dead = self._holder.generator, [], []
+
+        def encode(prompt: str) -> list[int]:
+            return gen.encode(prompt, chat=self.decode.chat, max_new_tokens=self.decode.max_new_tokens)
+
+        for row in rows:
+            try:
+                encoded.append(Encoded(row, encode(row.prompt)))
+                continue
+            except Exception as exc:
+                kind = getattr(exc, "kind", None)
+                if kind is None:  # not a PromptError: the tokenizer itself failed on this row
+                    dead.append(DeadLetter(row.id, row.shard, ErrorType.PROMPT_ERROR, clip(f"{type(exc).__name__}: {exc}")))
+                    continue
+                error = exc
+            if kind == "too_long" and self.decode.truncate_prompts and self.text_column in row.template_values:
+                shorter = shorten_to_fit(row, self.text_column, self.template, encode, gen.target.tokenizer)
+                if shorter is not None:
+                    self.truncated.inc()
+                    encoded.append(shorter)
+                    continue
+            dead.append(DeadLetter(row.id, row.shard, prompt_error_type(kind), clip(f"{error} [{kind}]")))
+        return encoded, dead
+
+    def _generate(self, batch: list[Encoded]) -> list[Any]:
+        d = self.decode
+
+        def call(part: list[Encoded]):
+            self.engine_calls.inc()
+            with self._holder.lock:
+                return self._holder.generator.generate(
+                    [e.ids for e in part],
+                    max_new_tokens=d.max_new_tokens,
+                    temperature=d.temperature,
+                    top_k=d.top_k,
+                    top_p=d.top_p,
+                    stop=list(d.stop) or None,
+                    seed=d.seed,
+                    chat=d.chat,
+                    progress=d.progress,
+                )
+
+        def on_split(size: int, exc: BaseException) -> None:
+            self.batch_splits.inc()
+            LOG.warning("Engine call on %d rows failed (%s: %s); retrying in halves", size, type(exc).__name__, exc)
+
+        return call_isolating_failures(call, batch, on_split)
+
+    def _record(self, item: Encoded, result: Any) -> GenerationRecord:
+        stats = spec_stats(result.stats)
+        return GenerationRecord(
+            id=item.row.id,
+            shard=item.row.shard,
+            output=result.text,
+            num_prompt_tokens=int(result.num_prompt_tokens),
+            num_output_tokens=int(result.num_output_tokens),
+            finish_reason=str(result.finish_reason),
+            latency_s=float(result.latency_s),
+            mean_accepted_length=float(getattr(result.stats, "mean_accepted_length", stats.emitted / stats.rounds if stats.rounds else 0.0)),
+            stats=stats,
+            kept=dict(item.row.kept),
+            prompt_truncated=item.truncated,
+        )
+
+    def process(self, element: tuple[str, list[PromptRow]]):
+        shard, rows = element
+        rows = list(rows)
+        sampler = self._holder.sampler()
+        started = time.perf_counter()
+        encoded, dead = self._encode(rows)
+        results = self._generate(encoded)
+        wall_s = time.perf_counter() - started
+        usage = sampler.stop()
+        tokens = 0
+        for item, result in zip(encoded, results):
+            if isinstance(result, Exception):
+                dead.append(
+                    DeadLetter(item.row.id, shard, ErrorType.GENERATION_ERROR, clip(f"{type(result).__name__}: {result}"))
+                )
+                continue
+            record = self._record(item, result)
+            tokens += record.num_output_tokens
+            for name, counter in self.spec_counters.items():
+                counter.inc(getattr(record.stats, name))
+            yield record
+        for letter in dead:
+            yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter)
+        self.rows_ok.inc(len(rows) - len(dead))
+        self.rows_failed.inc(len(dead))
+        self.output_tokens.inc(tokens)
+        self.call_seconds.update(int(wall_s * 1000))
+        LOG.info(
+            "%s: %d rows (%d failed), %d tokens in %.1f s (%.1f tokens/s)",
+            shard, len(rows), len(dead), tokens, wall_s, tokens / wall_s if wall_s > 0 else 0.0,
+        )
+        yield beam.pvalue.TaggedOutput(BATCH_REPORT_TAG, BatchReport(shard=shard, num_rows=len(rows), wall_s=wall_s, **usage))
+
+
+class _SharedGenerator:
+    """What `shared.Shared` holds per process: the generator, its lock, its device."""
+
+    def __init__(self, generator: Any):
+        self.generator = generator
+        self.lock = threading.Lock()
+        target = getattr(generator, "target", None)
+        self.device = getattr(target, "device", None)
+
+    def sampler(self) -> "UsageSampler":
+        return UsageSampler(self.device).start()
+
+
+class UsageSampler:
+    """Device and process utilisation during one engine call: `dspark.hardware` when present
+    (NVML on GPUs, nulls without one), else RSS and CPU time from psutil."""
+
+    def __init__(self, device: Any = None):
+        self.device = device
+
+    def start(self) -> "UsageSampler":
+        try:
+            from dspark.hardware import UtilizationSampler
+
+            self._sampler = UtilizationSampler(interval_s=0.5, device=self.device).start()
+        except Exception:  # never let monitoring fail a batch
+            self._sampler = None
+            self._fallback = _psutil_start()
+        return self
+
+    def stop(self) -> dict:
+        if self._sampler is not None:
+            try:
+                report = self._sampler.stop()
+                return {k: v for k, v in report.as_dict().items() if k in _USAGE_KEYS}
+            except Exception:
+                pass
+            return dict.fromkeys(_USAGE_KEYS)
+        return _psutil_stop(self._fallback, self.device)
+
+
+_USAGE_KEYS = ("device", "gpu_util_mean", "gpu_mem_peak_bytes", "cpu_util_mean", "rss_peak_bytes")
+
+
+def _psutil_start() -> tuple[float, float] | None:
+    try:
+        import psutil
+
+        t = psutil.Process().cpu_times()
+        return time.perf_counter(), t.user + t.system
+    except Exception:
+        return None
+
+
+def _psutil_stop(started: tuple[float, float] | None, device: Any) -> dict:
+    usage = dict.fromkeys(_USAGE_KEYS)
+    usage["device"] = str(device) if device is not None else None
+    if started is None:
+        return usage
+    import os
+
+    import psutil
+
+    proc = psutil.Process()
+    t = proc.cpu_times()
+    wall = max(1e-9, time.perf_counter() - started[0])
+    usage["cpu_util_mean"] = (t.user + t.system - started[1]) / wall / max(1, os.cpu_count() or 1)
+    usage["rss_peak_bytes"] = int(proc.memory_info().rss)
+    return usage

@@ -1,0 +1,150 @@
+"""The job graph: checked shards in, generations, per-shard metrics and dead letters out.
+
+    units -> read row groups -> validate/render prompts -> key by shard -> GroupIntoBatches
+          -> generate (engine) -> generations
+    every row's fate, the footers' row counts and the engine calls' timings -> shard metrics
+    file-level problems + bad rows + rows the engine failed on -> dead letters
+
+Rows are batched per shard, so each engine call's wall time belongs to one shard and
+`shard_metrics.tokens_per_s` is that shard's own throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import apache_beam as beam
+import pyarrow as pa
+from apache_beam.io.parquetio import WriteToParquet
+
+from transforms import schema as S
+from transforms.generation import BATCH_REPORT_TAG, DEAD_LETTER_TAG, DecodeSpec, EngineSpec, GenerateBatchDoFn, build_generator
+from transforms.metrics import ShardMetricsFn, ok_event, shard_metrics_row
+from transforms.preflight import Preflight
+from transforms.prompts import PromptSpec, to_prompt
+from transforms.read import ReadRowGroupDoFn, row_group_units
+from transforms.records import DeadLetter, PromptRow
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    output: str
+    prompt: PromptSpec
+    engine: EngineSpec
+    decode: DecodeSpec
+    rows_per_call: int = 128
+    skip_bad_files: bool = False
+
+
+class ValidateRowsDoFn(beam.DoFn):
+    def __init__(self, spec: PromptSpec):
+        self.spec = spec
+        self.bad_rows = beam.metrics.Metrics.counter("dspark", "rows_rejected_before_generation")
+
+    def process(self, row):
+        result = to_prompt(row, self.spec)
+        if isinstance(result, DeadLetter):
+            self.bad_rows.inc()
+            yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, result)
+        else:
+            yield result
+
+
+def key_by_shard(row: PromptRow) -> tuple[str, PromptRow]:
+    return row.shard, row
+
+
+def output_path(output: str, folder: str) -> str:
+    """`DIR/folder/part`: the sinks' prefix. Folder names are fixed, never from the data."""
+    return "/".join([output.rstrip("/"), folder, S.FILE_PREFIX])
+
+
+def write_parquet(rows: beam.PCollection, output: str, folder: str, arrow_schema: pa.Schema, label: str):
+    return rows | f"Write{label}" >> WriteToParquet(
+        output_path(output, folder),
+        schema=arrow_schema,
+        shard_name_template=S.SHARD_NAME_TEMPLATE,
+        file_name_suffix=S.FILE_SUFFIX,
+    )
+
+
+def id_arrow_type(pre: Preflight, spec: PromptSpec) -> pa.DataType:
+    return pre.column_types.get(spec.id_column, pa.string())
+
+
+def kept_schema(pre: Preflight, spec: PromptSpec) -> pa.Schema:
+    return pa.schema([pa.field(c, pre.column_types[c]) for c in spec.keep_columns])
+
+
+class GenerateFromShards(beam.PTransform):
+    """Apply to a pipeline (`p | GenerateFromShards(...)`); returns the written PCollections."""
+
+    def __init__(self, preflight: Preflight, job: JobSpec, generator_factory=build_generator):
+        super().__init__()
+        self.pre = preflight
+        self.job = job
+        self.generator_factory = generator_factory
+
+    def expand(self, pbegin):
+        pre, job = self.pre, self.job
+        columns = job.prompt.required_columns()
+
+        read = (
+            pbegin
+            | "RowGroups" >> beam.Create(row_group_units(pre.shards))
+            | "SpreadRowGroups" >> beam.Reshuffle()
+            | "ReadRowGroups" >> beam.ParDo(
+                ReadRowGroupDoFn(columns, job.skip_bad_files, {s.path: s.row_group_rows for s in pre.shards})
+            ).with_outputs(DEAD_LETTER_TAG, main="rows")
+        )
+        valid = read.rows | "Validate" >> beam.ParDo(ValidateRowsDoFn(job.prompt)).with_outputs(DEAD_LETTER_TAG, main="prompts")
+        generated = (
+            valid.prompts
+            | "KeyByShard" >> beam.Map(key_by_shard).with_output_types(tuple[str, Any])  # str key: deterministic coder
+            | "Batch" >> beam.GroupIntoBatches(job.rows_per_call)
+            | "Generate" >> beam.ParDo(
+                GenerateBatchDoFn(job.engine, job.decode, job.prompt.text_column, job.prompt.template, self.generator_factory)
+            ).with_outputs(DEAD_LETTER_TAG, BATCH_REPORT_TAG, main="records")
+        )
+
+        skipped_files = pbegin | "SkippedFiles" >> beam.Create(
+            [DeadLetter(None, f.path, f.error_type, f.error) for f in pre.skipped]
+        )
+        dead = (
+            skipped_files,
+            read[DEAD_LETTER_TAG],
+            valid[DEAD_LETTER_TAG],
+            generated[DEAD_LETTER_TAG],
+        ) | "AllDeadLetters" >> beam.Flatten()
+
+        id_column = job.prompt.id_column
+        events = (
+            pbegin | "FooterRows" >> beam.Create([(s.path, ("file", s.num_rows)) for s in pre.shards]),
+            read.rows | "ReadEvents" >> beam.Map(lambda r: (r.shard, ("read", r.values.get(id_column)))),
+            generated.records | "OkEvents" >> beam.Map(lambda r: (r.shard, ("ok", ok_event(r)))),
+            (
+                (read[DEAD_LETTER_TAG], valid[DEAD_LETTER_TAG], generated[DEAD_LETTER_TAG])
+                | "RowDeadLetters" >> beam.Flatten()
+                | "RowFailures" >> beam.Filter(lambda d: d.error_type in S.ErrorType.ROW_LEVEL)
+                | "FailEvents" >> beam.Map(lambda d: (d.shard, ("fail", d.error_type)))
+            ),
+            generated[BATCH_REPORT_TAG] | "BatchEvents" >> beam.Map(lambda b: (b.shard, ("batch", b))),
+        ) | "AllShardEvents" >> beam.Flatten()
+        metrics = (
+            events
+            | "PerShard" >> beam.CombinePerKey(ShardMetricsFn())
+            | "MetricsRow" >> beam.MapTuple(shard_metrics_row)
+        )
+
+        truncation = job.decode.truncate_prompts
+        gen_rows = generated.records | "GenerationRow" >> beam.Map(lambda r: r.as_row(truncation))
+        dead_rows = dead | "DeadLetterRow" >> beam.Map(lambda d: d.as_row())
+        id_type = id_arrow_type(pre, job.prompt)
+        return {
+            "generations": write_parquet(
+                gen_rows, job.output, S.GENERATIONS_DIR, S.generations_schema(id_type, kept_schema(pre, job.prompt), truncation), "Generations"
+            ),
+            "shard_metrics": write_parquet(metrics, job.output, S.SHARD_METRICS_DIR, S.shard_metrics_schema(), "ShardMetrics"),
+            "dead_letter": write_parquet(dead_rows, job.output, S.DEAD_LETTER_DIR, S.dead_letter_schema(id_type), "DeadLetter"),
+        }

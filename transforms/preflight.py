@@ -1,0 +1,142 @@
+"""File-level checks that run on the launcher before the pipeline is built, so bad input fails
+in seconds, with the file named, before any model loads on any worker.
+
+Checks: the glob matches something; every file is readable Parquet (not truncated, not some
+other format); it has the id, text and template columns; the needed columns have the same types
+in every file. With `skip_bad_files`, bad files become file-level dead-letter entries instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+from transforms.schema import ErrorType
+
+
+class BadInputError(ValueError):
+    """Input that cannot be processed at all; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """A readable input shard: where it is and how it splits into row groups."""
+
+    path: str
+    num_rows: int
+    row_group_rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    path: str
+    error_type: str
+    error: str
+
+    def message(self) -> str:
+        return f"{self.path}: {self.error}"
+
+
+@dataclass
+class Preflight:
+    """What the pipeline may read: good shards, the Arrow types of the needed columns, and the
+    files left out (only when skipping bad files)."""
+
+    shards: list[ShardFile]
+    column_types: dict[str, pa.DataType]
+    skipped: list[FileProblem] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.num_rows for s in self.shards)
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """Sorted paths matching `pattern` on any Beam filesystem (local, gs://, s3://...)."""
+    try:
+        results = FileSystems.match([pattern])
+    except Exception as exc:  # Beam raises BeamIOError for a bad scheme/bucket as well as no match
+        raise BadInputError(f"--input {pattern!r}: cannot list files: {exc}") from exc
+    paths = sorted({m.path for r in results for m in r.metadata_list})
+    if not paths:
+        raise BadInputError(f"--input {pattern!r}: no file matches this pattern")
+    return paths
+
+
+def normalise_type(t: pa.DataType) -> pa.DataType:
+    """Types that read back as the same Python values compare equal (large_string == string...)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+        return pa.binary()
+    return t
+
+
+def open_binary(path: str):
+    """A seekable binary stream on any Beam filesystem; never decompressed by file extension."""
+    return FileSystems.open(path, mime_type="application/octet-stream", compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def read_schema(path: str) -> tuple[pa.Schema, tuple[int, ...]]:
+    """The Arrow schema and row-group sizes from a Parquet footer (reads only the footer)."""
+    with open_binary(path) as f:
+        meta = pq.ParquetFile(f).metadata
+        schema = meta.schema.to_arrow_schema()
+        return schema, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+
+
+def inspect_file(path: str, required: list[str]) -> tuple[ShardFile, dict[str, pa.DataType]] | FileProblem:
+    """Open one file's footer and check its columns; a problem is returned, not raised."""
+    try:
+        schema, row_groups = read_schema(path)
+    except Exception as exc:  # pyarrow says "magic bytes not found" for truncated and non-Parquet files alike
+        return FileProblem(path, ErrorType.FILE_UNREADABLE, f"not a readable Parquet file ({type(exc).__name__}: {exc})")
+    missing = [c for c in required if c not in schema.names]
+    if missing:
+        return FileProblem(
+            path,
+            ErrorType.FILE_MISSING_COLUMNS,
+            f"missing column(s) {', '.join(map(repr, missing))}; columns found: {', '.join(schema.names) or '(none)'}",
+        )
+    types = {c: normalise_type(schema.field(c).type) for c in required}
+    return ShardFile(path, sum(row_groups), row_groups), types
+
+
+def _schema_problems(inspected: list[tuple[ShardFile, dict[str, pa.DataType]]]) -> list[FileProblem]:
+    """Files whose needed columns' types differ from the first good file's (the reference)."""
+    if not inspected:
+        return []
+    ref_file, ref_types = inspected[0]
+    problems = []
+    for shard, types in inspected[1:]:
+        diffs = [f"{c}: {types[c]} (but {ref_types[c]} in {ref_file.path})" for c in ref_types if types[c] != ref_types[c]]
+        if diffs:
+            problems.append(FileProblem(shard.path, ErrorType.FILE_SCHEMA_MISMATCH, "schema disagrees with other shards: " + "; ".join(diffs)))
+    return problems
+
+
+def check_inputs(pattern: str, required: list[str], skip_bad_files: bool = False, max_workers: int = 16) -> Preflight:
+    """Expand the glob and check every file. Raises BadInputError naming the first bad file (in
+    path order) unless `skip_bad_files`, in which case bad files are listed in `skipped`."""
+    paths = expand_glob(pattern)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
+        results = list(pool.map(lambda p: inspect_file(p, required), paths))
+    problems = [r for r in results if isinstance(r, FileProblem)]
+    good = [r for r in results if not isinstance(r, FileProblem)]
+    mismatched = _schema_problems(good)
+    bad_paths = {p.path for p in mismatched}
+    good = [g for g in good if g[0].path not in bad_paths]
+    problems = sorted(problems + mismatched, key=lambda p: p.path)
+    if problems and not skip_bad_files:
+        more = f" (and {len(problems) - 1} more bad file(s); --skip-bad-files records them in dead_letter instead)" if len(problems) > 1 else " (--skip-bad-files records bad files in dead_letter instead)"
+        raise BadInputError(problems[0].message() + more)
+    if not good:
+        raise BadInputError(f"--input {pattern!r}: none of the {len(paths)} matching file(s) is usable: " + "; ".join(p.message() for p in problems))
+    return Preflight(shards=[g[0] for g in good], column_types=dict(good[0][1]), skipped=problems)

@@ -1,0 +1,112 @@
+"""The small records that travel between the pipeline's steps. Plain dataclasses: Beam pickles
+them, tests build them by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InvalidUtf8:
+    """A string cell whose bytes are not valid UTF-8 (kept raw so the row can be reported)."""
+
+    raw: bytes
+
+    def lossy(self) -> str:
+        return self.raw.decode("utf-8", errors="backslashreplace")
+
+
+@dataclass
+class InputRow:
+    """One row as read from a shard: the needed columns only."""
+
+    shard: str
+    values: dict[str, Any]
+
+
+@dataclass
+class PromptRow:
+    """A valid row, rendered through the template (not yet through the chat template)."""
+
+    shard: str
+    id: Any
+    prompt: str
+    template_values: dict[str, str]  # kept so an over-long prompt can be re-rendered shorter
+    kept: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DeadLetter:
+    id: Any
+    shard: str
+    error_type: str
+    error: str
+
+    def as_row(self) -> dict:
+        return {"id": self.id, "shard": self.shard, "error_type": self.error_type, "error": self.error}
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request, summed per shard (ratios are computed at the end)."""
+
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    emitted: int = 0
+
+    def add(self, other: "SpecStats") -> None:
+        self.drafted += other.drafted
+        self.verified += other.verified
+        self.accepted += other.accepted
+        self.rounds += other.rounds
+        self.emitted += other.emitted
+
+
+@dataclass
+class GenerationRecord:
+    """A successful row: the contract columns, kept input columns and its speculation counters."""
+
+    id: Any
+    shard: str
+    output: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str
+    latency_s: float
+    mean_accepted_length: float
+    stats: SpecStats
+    kept: dict[str, Any] = field(default_factory=dict)
+    prompt_truncated: bool = False
+
+    def as_row(self, with_truncation: bool) -> dict:
+        row = {
+            "id": self.id,
+            "shard": self.shard,
+            "output": self.output,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "finish_reason": self.finish_reason,
+            "latency_s": self.latency_s,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+        if with_truncation:
+            row["prompt_truncated"] = self.prompt_truncated
+        row.update(self.kept)
+        return row
+
+
+@dataclass
+class BatchReport:
+    """One engine call (with its retries) on rows of one shard: time and resource use."""
+
+    shard: str
+    num_rows: int
+    wall_s: float
+    device: str | None = None
+    gpu_util_mean: float | None = None
+    gpu_mem_peak_bytes: int | None = None
+    cpu_util_mean: float | None = None
+    rss_peak_bytes: int | None = None

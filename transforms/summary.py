@@ -1,0 +1,97 @@
+"""`run_summary.json`: written by the launcher once the job has finished, from the job's own
+outputs (read back through Beam's filesystems, so gs:// works) and its metric counters."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections import Counter
+from importlib import metadata
+from typing import Any
+
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from transforms import schema as S
+from transforms.preflight import open_binary
+
+VERSIONED_PACKAGES = ("dspark", "apache-beam", "torch", "transformers", "pyarrow", "numpy")
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def read_output_table(output: str, folder: str) -> list[dict]:
+    """All rows of one output folder (`DIR/folder/part-*.parquet`), as dicts."""
+    pattern = "/".join([output.rstrip("/"), folder, S.FILE_PREFIX + "*" + S.FILE_SUFFIX])
+    rows: list[dict] = []
+    for match in FileSystems.match([pattern]):
+        for meta in sorted(match.metadata_list, key=lambda m: m.path):
+            with open_binary(meta.path) as f:
+                rows.extend(pq.read_table(f).to_pylist())
+    return rows
+
+
+def beam_counters(result: Any) -> dict[str, int]:
+    """Committed counters (attempted where the runner has no committed values)."""
+    counters: dict[str, int] = {}
+    try:
+        for c in result.metrics().query()["counters"]:
+            value = c.committed if c.committed is not None else c.attempted
+            counters[f"{c.key.metric.namespace}.{c.key.metric.name}"] = counters.get(
+                f"{c.key.metric.namespace}.{c.key.metric.name}", 0
+            ) + int(value or 0)
+    except Exception:  # some runners cannot query metrics; the summary still gets written
+        pass
+    return dict(sorted(counters.items()))
+
+
+def ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[str, int], skipped_files: list[dict]) -> dict:
+    metrics = read_output_table(output, S.SHARD_METRICS_DIR)
+    dead = read_output_table(output, S.DEAD_LETTER_DIR)
+    output_tokens = sum(m["output_tokens"] for m in metrics)
+    engine_wall = sum(m["wall_s"] for m in metrics)
+    c = lambda name: counters.get(f"dspark.{name}", 0)  # noqa: E731
+    totals = {
+        "num_shards": len(metrics),
+        "num_records": sum(m["num_records"] for m in metrics),
+        "num_ok": sum(m["num_ok"] for m in metrics),
+        "num_failed": sum(m["num_failed"] for m in metrics),
+        "num_duplicate_ids": sum(m["num_duplicate_ids"] for m in metrics),
+        "num_files_skipped": len(skipped_files),
+        "output_tokens": output_tokens,
+        "job_wall_s": job_wall_s,
+        "tokens_per_s": ratio(output_tokens, job_wall_s),
+        "engine_wall_s": engine_wall,
+        "engine_tokens_per_s": ratio(output_tokens, engine_wall),
+        "mean_accepted_length": ratio(c("spec_emitted"), c("spec_rounds")),
+        "acceptance_rate": ratio(c("spec_accepted"), c("spec_verified")),
+        "correction_rate": ratio(c("spec_verified") - c("spec_accepted"), c("spec_verified")),
+        "mean_verify_budget": ratio(c("spec_verified"), c("spec_rounds")),
+        "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),
+    }
+    return {
+        "totals": totals,
+        "skipped_files": skipped_files,
+        "config": config,
+        "versions": package_versions(),
+        "beam_counters": counters,
+    }
+
+
+def write_summary(output: str, summary: dict) -> str:
+    path = "/".join([output.rstrip("/"), S.RUN_SUMMARY_FILE])
+    with FileSystems.create(path, mime_type="application/json") as f:
+        f.write(json.dumps(summary, indent=2, sort_keys=False, default=str).encode("utf-8"))
+    return path
