@@ -1,0 +1,299 @@
+"""Unit tests of the pipeline's pure parts: prompt validation, Parquet decoding, failure
+isolation, shard metrics, file preflight and option/config resolution. No model, no Beam run."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipelines import generate as cli  # noqa: E402
+from transforms.generation import call_isolating_failures, spec_stats  # noqa: E402
+from transforms.metrics import OkEvent, ShardMetricsFn, percentile, shard_metrics_row  # noqa: E402
+from transforms.preflight import BadInputError, check_inputs  # noqa: E402
+from transforms.prompts import PromptSpec, template_fields, to_prompt  # noqa: E402
+from transforms.read import table_to_rows  # noqa: E402
+from transforms.records import BatchReport, DeadLetter, InputRow, InvalidUtf8, PromptRow, SpecStats  # noqa: E402
+from transforms.schema import SHARD_METRIC_COLUMNS, ErrorType  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- prompts -----------------------------------------------------------------------------
+def row(text, id_="r1", **other) -> InputRow:
+    return InputRow(shard="s.parquet", values={"id": id_, "text": text, **other})
+
+
+@pytest.mark.parametrize(
+    "text, error_type",
+    [
+        (None, ErrorType.NULL_TEXT),
+        ("", ErrorType.EMPTY_TEXT),
+        (" \n\t ", ErrorType.EMPTY_TEXT),
+        (42, ErrorType.NON_STRING_TEXT),
+        (3.5, ErrorType.NON_STRING_TEXT),
+        (["a"], ErrorType.NON_STRING_TEXT),
+        (b"\xff\xfe", ErrorType.INVALID_UTF8),
+        (InvalidUtf8(b"ab\xc3"), ErrorType.INVALID_UTF8),
+        ("bad \ud800 surrogate", ErrorType.INVALID_UTF8),
+        ("nul \x00 inside", ErrorType.CONTROL_CHARACTERS),
+        ("bell \x07", ErrorType.CONTROL_CHARACTERS),
+        ("c1 \x85 control", ErrorType.CONTROL_CHARACTERS),
+    ],
+)
+def test_bad_text_becomes_a_dead_letter_with_its_type(text, error_type):
+    result = to_prompt(row(text), PromptSpec())
+    assert isinstance(result, DeadLetter)
+    assert (result.id, result.shard, result.error_type) == ("r1", "s.parquet", error_type)
+    assert "'text'" in result.error
+
+
+def test_null_id_is_a_dead_letter():
+    result = to_prompt(row("fine", id_=None), PromptSpec())
+    assert isinstance(result, DeadLetter) and result.error_type == ErrorType.NULL_ID
+
+
+def test_template_fills_text_and_other_columns_and_keeps_columns():
+    spec = PromptSpec(template="[{domain}] {text} ({n})", keep_columns=("domain",))
+    result = to_prompt(row("Add two numbers.", domain="math", n=7), spec)
+    assert isinstance(result, PromptRow)
+    assert result.prompt == "[math] Add two numbers. (7)"
+    assert result.kept == {"domain": "math"}
+    assert spec.required_columns() == ["id", "text", "domain", "n"]
+
+
+def test_tabs_newlines_and_carriage_returns_are_normal_text():
+    result = to_prompt(row("a\tb\r\nc\n"), PromptSpec())
+    assert isinstance(result, PromptRow) and result.prompt == "a\tb\r\nc\n"
+
+
+def test_strip_control_chars_option_removes_them():
+    spec = PromptSpec(strip_control_chars=True)
+    assert to_prompt(row("a\x00b\x1bc"), spec).prompt == "abc"
+    only_controls = to_prompt(row("\x00\x07"), spec)
+    assert isinstance(only_controls, DeadLetter) and only_controls.error_type == ErrorType.EMPTY_TEXT
+
+
+@pytest.mark.parametrize("template", ["{text.__class__}", "{text[0]}", "{0}", "{}", "{text!r}", "{text:>10}", "{", "no field"])
+def test_unsafe_or_malformed_templates_are_refused(template):
+    with pytest.raises(ValueError):
+        template_fields(template)
+
+
+def test_literal_braces_in_template():
+    assert template_fields("{{json}}: {text}") == ("text",)
+
+
+# --- reading -----------------------------------------------------------------------------
+def test_invalid_utf8_cell_does_not_break_its_neighbours():
+    text = pa.array([b"good", b"\xff bad", None], type=pa.binary()).view(pa.string())
+    table = pa.table({"id": ["a", "b", "c"], "text": text})
+    with pytest.raises(UnicodeDecodeError):
+        table.to_pylist()  # what a plain pyarrow/Beam conversion would do to the whole batch
+    rows = list(table_to_rows(table, "f.parquet"))
+    assert [r.values["text"] for r in rows] == ["good", InvalidUtf8(b"\xff bad"), None]
+    assert {r.shard for r in rows} == {"f.parquet"}
+
+
+# --- failure isolation -------------------------------------------------------------------
+def test_failing_rows_are_isolated_and_the_rest_complete():
+    calls = []
+
+    def call(items):
+        calls.append(list(items))
+        if any(i in (3, 11) for i in items):
+            raise RuntimeError("poisoned")
+        return [i * 10 for i in items]
+
+    results = call_isolating_failures(call, list(range(16)))
+    assert [r for r in results if not isinstance(r, Exception)] == [i * 10 for i in range(16) if i not in (3, 11)]
+    assert [i for i, r in enumerate(results) if isinstance(r, Exception)] == [3, 11]
+    assert len(calls) <= 1 + 2 * 2 * math.ceil(math.log2(16))  # halving: O(bad * log n) calls
+
+
+def test_wrong_result_count_counts_as_a_failure():
+    results = call_isolating_failures(lambda items: items[:1], ["a", "b"])
+    assert results == ["a", "b"]  # split to single rows, where one result per row is right
+
+
+def test_spec_stats_reads_engine_stats():
+    from dspark.metrics import RequestStats
+
+    s = RequestStats(drafted=9, verified=6, accepted=4, rounds=3, emitted=7)
+    assert spec_stats(s) == SpecStats(drafted=9, verified=6, accepted=4, rounds=3, emitted=7)
+
+
+# --- shard metrics -----------------------------------------------------------------------
+def test_percentile_matches_numpy():
+    xs = [0.3, 1.2, 0.7, 5.0, 2.2, 0.1]
+    for q in (50, 99, 0, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+
+
+def test_shard_metrics_from_events():
+    fn = ShardMetricsFn()
+    events = [("file", 5)] + [("read", i) for i in ["a", "b", "b", "c", None]]
+    events += [
+        ("ok", OkEvent(10, 1.0, SpecStats(drafted=8, verified=6, accepted=3, rounds=5, emitted=8))),
+        ("ok", OkEvent(20, 3.0, SpecStats(drafted=4, verified=2, accepted=2, rounds=10, emitted=12))),
+        ("fail", ErrorType.NULL_ID),
+        ("fail", ErrorType.EMPTY_TEXT),
+        ("fail", ErrorType.GENERATION_ERROR),
+        ("batch", BatchReport("s", 3, wall_s=2.0, device="cpu", cpu_util_mean=0.5, rss_peak_bytes=100)),
+        ("batch", BatchReport("s", 2, wall_s=1.0, device="cpu", cpu_util_mean=0.8, rss_peak_bytes=300)),
+    ]
+    # split over two accumulators, as a distributed combine would
+    a, b = fn.create_accumulator(), fn.create_accumulator()
+    for i, e in enumerate(events):
+        fn.add_input(a if i % 2 else b, e)
+    m = shard_metrics_row("s", fn.extract_output(fn.merge_accumulators([a, b])))
+    assert list(m) == list(SHARD_METRIC_COLUMNS)
+    assert (m["num_records"], m["num_ok"], m["num_failed"], m["num_duplicate_ids"]) == (5, 2, 3, 1)
+    assert m["output_tokens"] == 30 and m["wall_s"] == pytest.approx(3.0)
+    assert m["tokens_per_s"] == pytest.approx(10.0)
+    assert m["mean_accepted_length"] == pytest.approx(20 / 15)
+    assert m["acceptance_rate"] == pytest.approx(5 / 8) and m["correction_rate"] == pytest.approx(3 / 8)
+    assert m["mean_verify_budget"] == pytest.approx(8 / 15)
+    assert m["p50_latency_s"] == pytest.approx(2.0) and m["p99_latency_s"] == pytest.approx(2.98)
+    assert m["cpu_util_mean"] == pytest.approx((0.5 * 2 + 0.8 * 1) / 3)
+    assert m["rss_peak_bytes"] == 300 and m["device"] == "cpu"
+    assert m["gpu_util_mean"] is None and m["gpu_mem_peak_bytes"] is None
+
+
+def test_ratios_are_null_without_drafts():
+    fn = ShardMetricsFn()
+    acc = fn.add_input(fn.create_accumulator(), ("ok", OkEvent(4, 0.5, SpecStats(rounds=4, emitted=4))))
+    m = shard_metrics_row("s", acc)
+    assert m["mean_accepted_length"] == 1.0
+    assert m["acceptance_rate"] is None and m["correction_rate"] is None and m["mean_verify_budget"] == 0.0
+
+
+# --- file preflight ----------------------------------------------------------------------
+def good_table(n=3, **extra):
+    return pa.table({"id": [f"i{k}" for k in range(n)], "text": [f"text {k}" for k in range(n)], **extra})
+
+
+def test_preflight_no_match(tmp_path):
+    with pytest.raises(BadInputError, match="no file matches"):
+        check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+
+
+def test_preflight_names_a_non_parquet_file(tmp_path):
+    pq.write_table(good_table(), tmp_path / "a.parquet")
+    (tmp_path / "b.parquet").write_text("id,text\n1,hello\n")
+    with pytest.raises(BadInputError, match=r"b\.parquet: not a readable Parquet file"):
+        check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+
+
+def test_preflight_names_a_truncated_file(tmp_path):
+    pq.write_table(good_table(50), tmp_path / "a.parquet")
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "c.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(BadInputError, match=r"c\.parquet: not a readable Parquet file"):
+        check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+
+
+def test_preflight_lists_columns_found(tmp_path):
+    pq.write_table(pa.table({"key": ["a"], "body": ["b"]}), tmp_path / "a.parquet")
+    with pytest.raises(BadInputError) as err:
+        check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+    msg = str(err.value)
+    assert "a.parquet" in msg and "'id'" in msg and "'text'" in msg and "columns found: key, body" in msg
+
+
+def test_preflight_schema_disagreement(tmp_path):
+    pq.write_table(good_table(), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "text": ["x", "y"]}), tmp_path / "b.parquet")
+    with pytest.raises(BadInputError, match=r"b\.parquet: schema disagrees.*id: int64"):
+        check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+
+
+def test_preflight_ignores_unneeded_column_differences_and_string_widths(tmp_path):
+    pq.write_table(good_table(extra=["x"] * 3), tmp_path / "a.parquet")
+    t = good_table(2)
+    pq.write_table(t.cast(pa.schema([("id", pa.large_string()), ("text", pa.large_string())])), tmp_path / "b.parquet")
+    pre = check_inputs(str(tmp_path / "*.parquet"), ["id", "text"])
+    assert [Path(s.path).name for s in pre.shards] == ["a.parquet", "b.parquet"]
+    assert pre.num_rows == 5 and pre.column_types["id"] == pa.string()
+
+
+def test_preflight_skip_bad_files_keeps_the_good_ones(tmp_path):
+    pq.write_table(good_table(7), tmp_path / "a.parquet", row_group_size=3)
+    (tmp_path / "b.parquet").write_bytes(b"PAR1 not really")
+    pq.write_table(pa.table({"id": ["z"]}), tmp_path / "c.parquet")
+    pre = check_inputs(str(tmp_path / "*.parquet"), ["id", "text"], skip_bad_files=True)
+    assert [Path(s.path).name for s in pre.shards] == ["a.parquet"]
+    assert pre.shards[0].row_group_rows == (3, 3, 1)
+    assert [(Path(p.path).name, p.error_type) for p in pre.skipped] == [
+        ("b.parquet", ErrorType.FILE_UNREADABLE),
+        ("c.parquet", ErrorType.FILE_MISSING_COLUMNS),
+    ]
+
+
+# --- options and configs -----------------------------------------------------------------
+def test_default_config_file_equals_built_in_defaults():
+    shipped = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    assert shipped["input"] == "data/sample_shards/*.parquet"
+    assert cli.DEFAULTS["input"] == str(REPO / "data" / "sample_shards" / "*.parquet")
+    for key, value in shipped.items():
+        if key != "input":
+            assert cli.DEFAULTS[key] == value, key
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "nightly-reports.yaml", "dialogue.yaml"])
+def test_shipped_configs_parse(name):
+    options, _ = cli.resolve_options(["--config", str(REPO / "configs" / name)])
+    expected = {"nightly-reports.yaml": 1024, "dialogue.yaml": 256, "default.yaml": 128}[name]
+    assert options["max_new_tokens"] == expected
+
+
+def test_flags_override_config_which_overrides_defaults(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_new_tokens: 64\nscheduler: ar\nkeep-columns: [domain]\nbeam_options: {direct_num_workers: 2}\n")
+    options, beam_flags = cli.resolve_options(["--config", str(cfg), "--scheduler", "fixed:4", "--batch-size", "8"])
+    assert options["max_new_tokens"] == 64  # config
+    assert options["scheduler"] == "fixed:4"  # flag beats config
+    assert options["batch_size"] == 8 and options["drafter"] == "ngram"  # flag, default
+    assert options["keep_columns"] == ["domain"]
+    assert "--direct_num_workers=2" in beam_flags
+
+
+def test_keep_columns_accepts_commas_and_spaces():
+    options, _ = cli.resolve_options(["--keep-columns", "a,b", "c"])
+    assert options["keep_columns"] == ["a", "b", "c"]
+
+
+def test_beam_options_pass_through_and_typos_are_refused():
+    _, beam_flags = cli.resolve_options(["--direct_running_mode=multi_processing", "--direct_num_workers", "2"])
+    assert beam_flags == ["--direct_running_mode=multi_processing", "--direct_num_workers", "2"]
+    with pytest.raises(SystemExit):
+        cli.resolve_options(["--max-new-token", "5"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["unknown_key: 1\n", "max_new_tokens: -3\n", "chat: maybe\n", "- a\n- b\n", "x: !!python/object/apply:os.system ['true']\n"],
+)
+def test_bad_config_files_are_refused(tmp_path, text):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit):
+        cli.resolve_options(["--config", str(cfg)])
+
+
+def test_help_explains_outputs_and_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        cli.resolve_options(["--help"])
+    out = capsys.readouterr().out
+    for needle in ["generations/", "shard_metrics/", "dead_letter/", "run_summary.json", "--skip-bad-files",
+                   "prompt_too_long", "--sdk_container_image", "worker_accelerator", "--config"]:
+        assert needle in out, needle
