@@ -353,6 +353,21 @@ def check_job(options: dict, job) -> None:
         raise ConfigError(f"--keep-columns {', '.join(clashes)}: these names are output columns already")
 
 
+LOCAL_RUNNERS = ("DirectRunner", "direct", "PrismRunner", "prism", "InteractiveRunner")
+
+
+def check_remote_paths(runner: str, paths: dict[str, str]) -> None:
+    """A remote runner's workers cannot see this machine's files: refuse local paths up front."""
+    if runner in LOCAL_RUNNERS:
+        return
+    local = [f"{flag} {path}" for flag, path in paths.items() if "://" not in path]
+    if local:
+        raise ConfigError(
+            f"{runner} workers cannot read local paths ({'; '.join(local)}): put shards and the output on a "
+            "shared filesystem such as gs://bucket/..."
+        )
+
+
 def pipeline_options(options: dict, beam_flags: list[str]):
     from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
 
@@ -386,6 +401,7 @@ def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None)
 
     job = job_spec(options)
     check_job(options, job)
+    check_remote_paths(options["runner"], {"--input": options["input"], "--output": options["output"]})
     pre = check_inputs(options["input"], job.prompt.required_columns(), skip_bad_files=job.skip_bad_files)
     for problem in pre.skipped:
         LOG.warning("Skipping %s", problem.message())
