@@ -1,0 +1,39 @@
+# Dataflow worker image for `python -m pipelines.generate --runner DataflowRunner`.
+#
+#   docker build -t REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0 \
+#       --build-arg BEAM_VERSION=$(python -c 'import apache_beam; print(apache_beam.__version__)') .
+#   docker push REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0
+#
+# BEAM_VERSION and PYTHON_VERSION must equal the launcher's (Dataflow refuses or misbehaves
+# otherwise). The Beam SDK's boot entrypoint comes from the official SDK image of that version;
+# CUDA user-space libraries come with the PyPI torch wheel; the GPU driver is installed on the
+# VM by Dataflow (install-nvidia-driver in worker_accelerator).
+ARG BEAM_VERSION=2.77.0
+ARG PYTHON_VERSION=3.11
+
+FROM apache/beam_python${PYTHON_VERSION}_sdk:${BEAM_VERSION} AS beam_sdk
+
+FROM python:${PYTHON_VERSION}-slim
+ARG BEAM_VERSION
+ARG TORCH_VERSION=""
+ARG TORCH_INDEX=""
+
+COPY --from=beam_sdk /opt/apache/beam /opt/apache/beam
+
+ENV DSPARK_CACHE_DIR=/opt/dspark/cache \
+    HF_HUB_OFFLINE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/dspark/src
+COPY pyproject.toml README.md ./
+COPY dspark ./dspark
+COPY transforms ./transforms
+COPY pipelines ./pipelines
+COPY configs ./configs
+COPY docker/install.sh ./docker/install.sh
+RUN bash docker/install.sh --beam-version "${BEAM_VERSION}" \
+        ${TORCH_VERSION:+--torch-version "${TORCH_VERSION}"} ${TORCH_INDEX:+--torch-index "${TORCH_INDEX}"} \
+        --warm-embedded . \
+    && chmod -R a+rX /opt/dspark
+
+ENTRYPOINT ["/opt/apache/beam/boot"]
