@@ -2,7 +2,7 @@
 speculation) at batch 16, and the pipeline's overhead over calling the engine directly on the
 same prompts.
 
-    python -m pipelines.bench_pipeline                      # 4 shards x 16 prompts, 256 new tokens
+    python -m pipelines.bench_pipeline                      # 4 shards x 16 prompts, 256 new tokens, batch 16
     python -m pipelines.bench_pipeline --max-new-tokens 1024 --dtype float32 --out runs/bench-1024
 
 What it does:
@@ -86,7 +86,7 @@ def run_pipeline(args: argparse.Namespace, shards_glob: str, scheduler: str, out
     argv = [
         "--input", shards_glob, "--output", str(out), "--target", args.target, "--drafter", args.drafter,
         "--scheduler", scheduler, "--dtype", args.dtype, "--batch-size", str(args.batch_size),
-        "--rows-per-call", str(args.rows_per_shard), "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
+        "--rows-per-call", str(args.rows_per_call), "--batch-scope", args.batch_scope, "--max-new-tokens", str(args.max_new_tokens), "--no-progress",
     ]
     summary = run(argv)
     t = summary["totals"]
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="folder of prompt .jsonl files")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--rows-per-shard", type=int, default=16)
+    p.add_argument("--rows-per-call", type=int, default=64, help="rows per engine call in the pipeline")
+    p.add_argument("--batch-scope", choices=["shard", "global"], default="global",
+                   help="the pipeline's batching; global fills engine calls across shards like the direct call")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--target", default="smollm2-135m-instruct")

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "batch_size": 16,
     "rows_per_call": 128,
+    "batch_scope": "shard",
     "temperature": 0.0,
     "top_k": 0,
     "top_p": 1.0,
@@ -154,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rows the engine decodes together (continuous batching; default: 16)")
     model.add_argument("--rows-per-call", dest="rows_per_call", type=positive_int, metavar="N",
                        help="rows of one shard handed to one engine call (default: 128)")
+    model.add_argument("--batch-scope", dest="batch_scope", choices=["shard", "global"],
+                       help="shard (default): each engine call holds rows of one shard, so shard_metrics times are "
+                       "exact; global: calls mix shards (fuller batches when shards are small; times apportioned "
+                       "to shards by tokens)")
     model.add_argument("--trust-remote-code", dest="trust_remote_code", action=argparse.BooleanOptionalAction,
                        help="allow model code from the model folder (off by default)")
 
@@ -334,6 +339,7 @@ def job_spec(options: dict):
             progress=bool(options["progress"]),
         ),
         rows_per_call=int(options["rows_per_call"]),
+        batch_scope=options["batch_scope"],
         skip_bad_files=bool(options["skip_bad_files"]),
     )
 

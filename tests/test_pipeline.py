@@ -80,7 +80,9 @@ def main_job(tiny_model, tmp_path_factory):
         "--prompt-template", TEMPLATE, "--keep-columns", "domain",
     ]
     summary = cli.run(args)
-    return {"root": root, "out": out, "shards": shards, "summary": summary, "args": args}
+    # kept now: a later test reruns into the same folder
+    generations = collections.Counter((g["shard"], g["id"], g["output"]) for g in read_folder(out, "generations"))
+    return {"root": root, "out": out, "shards": shards, "summary": summary, "args": args, "generations": generations}
 
 
 def test_output_contract(main_job):
@@ -172,21 +174,25 @@ def test_rerun_is_deterministic_and_replaces_old_outputs(main_job, tiny_model):
     assert [m["shard"] for m in read_folder(out, "shard_metrics")] == [only_a]
 
 
-def test_multi_processing_workers_give_the_same_outputs(main_job, tiny_model, tmp_path, monkeypatch):
+def test_multi_processing_workers_and_global_batches_give_the_same_outputs(main_job, tiny_model, tmp_path, monkeypatch):
+    """Two worker processes, and engine calls that mix shards (--batch-scope global)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "out"
     args = base_args(tiny_model, out, str(main_job["root"] / "in" / "*.parquet")) + [
         "--prompt-template", TEMPLATE, "--direct_running_mode=multi_processing", "--direct_num_workers=2",
+        "--batch-scope", "global", "--rows-per-call", "8",
     ]
     cli.run(args)
     gens = read_folder(out, "generations")
     dead = read_folder(out, "dead_letter")
     expected = collections.Counter((shard, r["id"]) for shard, rows in main_job["shards"].items() for r in rows)
     assert collections.Counter([(g["shard"], g["id"]) for g in gens] + [(d["shard"], d["id"]) for d in dead]) == expected
-    reference = collections.Counter((g["id"], g["output"]) for g in read_folder(main_job["out"], "generations")
-                                    if Path(g["shard"]).name == "a.parquet")
-    assert reference <= collections.Counter((g["id"], g["output"]) for g in gens)
-    assert sum(m["num_records"] for m in read_folder(out, "shard_metrics")) == sum(expected.values())
+    reference = main_job["generations"]
+    assert collections.Counter((g["shard"], g["id"], g["output"]) for g in gens) == reference
+    metrics = read_folder(out, "shard_metrics")
+    assert sum(m["num_records"] for m in metrics) == sum(expected.values())
+    assert sum(m["output_tokens"] for m in metrics) == sum(g["num_output_tokens"] for g in gens)
+    assert all(m["wall_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["output_tokens"] / m["wall_s"]) for m in metrics)
 
 
 def test_pipeline_constructs_for_dataflow_without_submitting(monkeypatch):

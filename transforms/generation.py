@@ -4,8 +4,9 @@ The generator is built in `setup()` (never pickled into the job graph) and share
 thread of the worker process through `apache_beam.utils.shared`, so a process holds one model
 copy; calls into it are serialised by a lock because the engine keeps per-call state.
 
-Each element is (shard, [PromptRow, ...]) from GroupIntoBatches: one engine call generates the
-whole list with continuous batching (`--batch-size` rows decode together). If the call raises,
+Each element is a list of PromptRows (one shard's with --batch-scope shard, any shards' with
+global): one engine call generates the whole list with continuous batching (`--batch-size`
+rows decode together). If the call raises,
 the list is split in halves and each half retried, down to single rows; a row that still fails
 alone goes to the dead letter, so one bad row costs O(log n) extra calls and the rest of the
 batch completes. A CUDA out-of-memory error empties the allocator cache before the split,
@@ -173,7 +174,7 @@ def shorten_to_fit(row: PromptRow, text_column: str, template: str, encode: Call
 
 
 class GenerateBatchDoFn(beam.DoFn):
-    """(shard, [PromptRow]) -> GenerationRecord; dead letters and a BatchReport as tagged outputs."""
+    """[PromptRow] -> GenerationRecord; dead letters and BatchReports as tagged outputs."""
 
     def __init__(
         self,
@@ -274,8 +275,7 @@ class GenerateBatchDoFn(beam.DoFn):
             prompt_truncated=item.truncated,
         )
 
-    def process(self, element: tuple[str, list[PromptRow]]):
-        shard, rows = element
+    def process(self, rows: list[PromptRow]):
         rows = list(rows)
         sampler = self._holder.sampler()
         started = time.perf_counter()
@@ -283,29 +283,48 @@ class GenerateBatchDoFn(beam.DoFn):
         results = self._generate(encoded)
         wall_s = time.perf_counter() - started
         usage = sampler.stop()
-        tokens = 0
+        tokens_by_shard: dict[str, int] = {}
         for item, result in zip(encoded, results):
             if isinstance(result, Exception):
                 dead.append(
-                    DeadLetter(item.row.id, shard, ErrorType.GENERATION_ERROR, clip(f"{type(result).__name__}: {result}"))
+                    DeadLetter(item.row.id, item.row.shard, ErrorType.GENERATION_ERROR, clip(f"{type(result).__name__}: {result}"))
                 )
                 continue
             record = self._record(item, result)
-            tokens += record.num_output_tokens
+            tokens_by_shard[record.shard] = tokens_by_shard.get(record.shard, 0) + record.num_output_tokens
             for name, counter in self.spec_counters.items():
                 counter.inc(getattr(record.stats, name))
             yield record
         for letter in dead:
             yield beam.pvalue.TaggedOutput(DEAD_LETTER_TAG, letter)
+        tokens = sum(tokens_by_shard.values())
         self.rows_ok.inc(len(rows) - len(dead))
         self.rows_failed.inc(len(dead))
         self.output_tokens.inc(tokens)
         self.call_seconds.update(int(wall_s * 1000))
+        shards = sorted({r.shard for r in rows})
         LOG.info(
             "%s: %d rows (%d failed), %d tokens in %.1f s (%.1f tokens/s)",
-            shard, len(rows), len(dead), tokens, wall_s, tokens / wall_s if wall_s > 0 else 0.0,
+            shards[0] if len(shards) == 1 else f"{len(shards)} shards", len(rows), len(dead), tokens, wall_s,
+            tokens / wall_s if wall_s > 0 else 0.0,
         )
-        yield beam.pvalue.TaggedOutput(BATCH_REPORT_TAG, BatchReport(shard=shard, num_rows=len(rows), wall_s=wall_s, **usage))
+        for report in split_batch_report(rows, tokens_by_shard, wall_s, usage):
+            yield beam.pvalue.TaggedOutput(BATCH_REPORT_TAG, report)
+
+
+def split_batch_report(rows: list[PromptRow], tokens_by_shard: dict[str, int], wall_s: float, usage: dict) -> list[BatchReport]:
+    """One BatchReport per shard in the call. A call that mixed shards (--batch-scope global)
+    charges its wall time to each shard in proportion to the tokens generated for it (rows,
+    when nothing was generated), so shard wall times add up to the call's."""
+    rows_by_shard: dict[str, int] = {}
+    for r in rows:
+        rows_by_shard[r.shard] = rows_by_shard.get(r.shard, 0) + 1
+    total_tokens = sum(tokens_by_shard.values())
+    reports = []
+    for shard, n in sorted(rows_by_shard.items()):
+        share = tokens_by_shard.get(shard, 0) / total_tokens if total_tokens else n / len(rows)
+        reports.append(BatchReport(shard=shard, num_rows=n, wall_s=wall_s * share, **usage))
+    return reports
 
 
 class _SharedGenerator:

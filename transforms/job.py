@@ -1,12 +1,14 @@
 """The job graph: checked shards in, generations, per-shard metrics and dead letters out.
 
-    units -> read row groups -> validate/render prompts -> key by shard -> GroupIntoBatches
+    units -> read row groups -> validate/render prompts -> batch (per shard, or across shards)
           -> generate (engine) -> generations
     every row's fate, the footers' row counts and the engine calls' timings -> shard metrics
     file-level problems + bad rows + rows the engine failed on -> dead letters
 
-Rows are batched per shard, so each engine call's wall time belongs to one shard and
-`shard_metrics.tokens_per_s` is that shard's own throughput.
+By default rows are batched per shard (GroupIntoBatches keyed by shard), so each engine call's
+wall time belongs to one shard and `shard_metrics.tokens_per_s` is that shard's own throughput.
+`batch_scope="global"` (BatchElements) fills engine calls across shards instead, which keeps
+continuous batching full when shards are small; call times are then apportioned to shards.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class JobSpec:
     decode: DecodeSpec
     rows_per_call: int = 128
     skip_bad_files: bool = False
+    batch_scope: str = "shard"  # "shard": one shard per engine call; "global": calls mix shards
 
 
 class ValidateRowsDoFn(beam.DoFn):
@@ -77,6 +80,35 @@ def kept_schema(pre: Preflight, spec: PromptSpec) -> pa.Schema:
     return pa.schema([pa.field(c, pre.column_types[c]) for c in spec.keep_columns])
 
 
+BATCH_SCOPES = ("shard", "global")
+
+
+class BatchPerShard(beam.PTransform):
+    """Lists of up to n rows of one shard: each engine call's time belongs to one shard."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def expand(self, rows):
+        return (
+            rows
+            | "KeyByShard" >> beam.Map(key_by_shard).with_output_types(tuple[str, Any])  # str key: deterministic coder
+            | "GroupIntoBatches" >> beam.GroupIntoBatches(self.n)
+            | "DropKey" >> beam.MapTuple(lambda _, batch: list(batch))
+        )
+
+
+def batch_rows(scope: str, n: int) -> beam.PTransform:
+    """Rows -> lists of up to n rows for one engine call. `global` fills calls across shards
+    (fuller continuous batching when shards are small; shard times are then apportioned)."""
+    if scope == "shard":
+        return BatchPerShard(n)
+    if scope == "global":
+        return beam.BatchElements(min_batch_size=n, max_batch_size=n)
+    raise ValueError(f"batch scope must be one of {BATCH_SCOPES}, got {scope!r}")
+
+
 class GenerateFromShards(beam.PTransform):
     """Apply to a pipeline (`p | GenerateFromShards(...)`); returns the written PCollections."""
 
@@ -101,8 +133,7 @@ class GenerateFromShards(beam.PTransform):
         valid = read.rows | "Validate" >> beam.ParDo(ValidateRowsDoFn(job.prompt)).with_outputs(DEAD_LETTER_TAG, main="prompts")
         generated = (
             valid.prompts
-            | "KeyByShard" >> beam.Map(key_by_shard).with_output_types(tuple[str, Any])  # str key: deterministic coder
-            | "Batch" >> beam.GroupIntoBatches(job.rows_per_call)
+            | "Batch" >> batch_rows(job.batch_scope, job.rows_per_call)
             | "Generate" >> beam.ParDo(
                 GenerateBatchDoFn(job.engine, job.decode, job.prompt.text_column, job.prompt.template, self.generator_factory)
             ).with_outputs(DEAD_LETTER_TAG, BATCH_REPORT_TAG, main="records")
