@@ -31,6 +31,7 @@ from transforms.schema import ErrorType  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 POISON = "POISON"
+OOM = "OOMROW"
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def tiny_model(tmp_path_factory) -> Path:
 # --- fault injection ---------------------------------------------------------------------
 class PoisonedGenerator:
     """The real engine, except that any call containing a POISON prompt raises, as a crash
-    inside the engine on that row would."""
+    inside the engine on that row would, and any call containing an OOMROW prompt runs out of
+    accelerator memory (the pipeline's no-speculation fallback is a plain engine: it works)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -51,8 +53,13 @@ class PoisonedGenerator:
         return self.inner.encode(*args, **kwargs)
 
     def generate(self, prompts, **kwargs):
-        if any(POISON in self.target.tokenizer.decode(p) for p in prompts):
+        texts = [self.target.tokenizer.decode(p) for p in prompts]
+        if any(POISON in t for t in texts):
             raise RuntimeError(f"injected fault on a batch of {len(prompts)}")
+        if any(OOM in t for t in texts):
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return self.inner.generate(prompts, **kwargs)
 
 
@@ -91,7 +98,7 @@ def test_bad_rows_go_to_dead_letter_and_the_batch_completes(tiny_model, tmp_path
         "null": None, "empty": "", "blank": "  \n\t ", "nul": "text with a \x00 byte", "esc": "ansi \x1b[31m red",
         "badutf8": b"caf\xc3 \xff broken", "surrogate": "lone \ud800 half", "toolong": long_text,
         "repeated": " ".join(["the"] * 80), "shuffled": " ".join(np.random.default_rng(0).permutation(words)),
-        "poisoned": f"{POISON} {sentence(9)}",
+        "poisoned": f"{POISON} {sentence(9)}", "oom": f"{OOM} {sentence(10)}",
     }
     ids = list(rows) + ["good1", None]  # a duplicate id and a null id
     texts = list(rows.values()) + [sentence(11), sentence(12)]
@@ -117,15 +124,18 @@ def test_bad_rows_go_to_dead_letter_and_the_batch_completes(tiny_model, tmp_path
 
     gens = {(g["id"], g["output"]) for g in read_folder(out, "generations")}
     generated_ids = collections.Counter(i for i, _ in gens)
-    assert generated_ids == collections.Counter(["good0", "good1", "good1", "good2", "good3", "repeated", "shuffled"])
+    assert generated_ids == collections.Counter(["good0", "good1", "good1", "good2", "good3", "repeated", "shuffled", "oom"])
     engine = DSparkGenerator.from_names(str(tiny_model), drafter="ngram", scheduler="dspark", dtype="float32", max_batch_size=4)
-    clean = ["good0", "good2", "repeated", "shuffled"]
+    clean = ["good0", "good2", "repeated", "shuffled", "oom"]  # oom: generated without speculation, same greedy text
     direct = engine.generate([rows[i] for i in clean], max_new_tokens=6)
     assert {(i, r.text) for i, r in zip(clean, direct)} <= gens
 
     metrics = read_folder(out, "shard_metrics")[0]
-    assert (metrics["num_records"], metrics["num_ok"], metrics["num_failed"], metrics["num_duplicate_ids"]) == (17, 7, 10, 1)
+    assert (metrics["num_records"], metrics["num_ok"], metrics["num_failed"], metrics["num_duplicate_ids"]) == (18, 8, 10, 1)
     assert summary["beam_counters"]["dspark.batch_splits_after_error"] >= 1
+    assert summary["beam_counters"]["dspark.rows_retried_without_speculation"] == 1
+    oom_row = next(g for g in read_folder(out, "generations") if g["id"] == "oom")
+    assert oom_row["mean_accepted_length"] == pytest.approx(1.0)
     assert summary["totals"]["dead_letter_by_error_type"][ErrorType.EMPTY_TEXT] == 2
 
 

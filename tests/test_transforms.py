@@ -297,3 +297,39 @@ def test_help_explains_outputs_and_bad_input(capsys):
     for needle in ["generations/", "shard_metrics/", "dead_letter/", "run_summary.json", "--skip-bad-files",
                    "prompt_too_long", "--sdk_container_image", "worker_accelerator", "--config"]:
         assert needle in out, needle
+
+
+def test_mixed_shard_calls_apportion_wall_time_by_tokens():
+    from transforms.generation import split_batch_report
+
+    rows = [PromptRow("a", 1, "p", {}), PromptRow("a", 2, "p", {}), PromptRow("b", 3, "p", {}), PromptRow("c", 4, "p", {})]
+    usage = {"device": "cpu", "gpu_util_mean": None, "gpu_mem_peak_bytes": None, "cpu_util_mean": 0.5, "rss_peak_bytes": 7}
+    reports = split_batch_report(rows, {"a": 30, "b": 10}, 8.0, usage)
+    assert [(r.shard, r.num_rows, r.wall_s) for r in reports] == [("a", 2, 6.0), ("b", 1, 2.0), ("c", 1, 0.0)]
+    assert sum(r.wall_s for r in reports) == pytest.approx(8.0)
+    nothing = split_batch_report(rows, {}, 4.0, usage)  # every row failed: share by rows
+    assert [r.wall_s for r in nothing] == [2.0, 1.0, 1.0]
+
+
+def test_out_of_memory_halves_then_falls_back_to_no_speculation():
+    class OutOfMemoryError(RuntimeError):  # the name torch.OutOfMemoryError has
+        pass
+
+    sizes, fallback_calls = [], []
+
+    def call(items):
+        sizes.append(len(items))
+        if len(items) > 2 or "big" in items:
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [f"spec:{i}" for i in items]
+
+    def fallback(items):
+        fallback_calls.append(list(items))
+        return [f"ar:{i}" for i in items]
+
+    results = call_isolating_failures(call, ["a", "b", "big", "c", "d", "e"], oom_fallback=fallback)
+    assert results == ["spec:a", "spec:b", "ar:big", "spec:c", "spec:d", "spec:e"]
+    assert fallback_calls == [["big"]] and sizes[0] == 6
+    # other errors are not retried without speculation
+    plain = call_isolating_failures(lambda items: 1 / 0, ["x"], oom_fallback=fallback)
+    assert isinstance(plain[0], ZeroDivisionError) and fallback_calls == [["big"]]

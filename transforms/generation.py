@@ -9,8 +9,9 @@ global): one engine call generates the whole list with continuous batching (`--b
 rows decode together). If the call raises,
 the list is split in halves and each half retried, down to single rows; a row that still fails
 alone goes to the dead letter, so one bad row costs O(log n) extra calls and the rest of the
-batch completes. A CUDA out-of-memory error empties the allocator cache before the split,
-which is the same halving a smaller batch would need.
+batch completes. A CUDA out-of-memory error empties the allocator cache before the split
+(halving is what a smaller batch needs), and a single row that still runs out of memory is
+tried once more without speculation before it goes to the dead letter.
 """
 
 from __future__ import annotations
@@ -100,29 +101,43 @@ def free_accelerator_cache() -> None:
         pass
 
 
+def checked_call(call: Callable[[list[T]], Sequence[R]], items: list[T]) -> list[R]:
+    results = list(call(items))
+    if len(results) != len(items):
+        raise RuntimeError(f"engine returned {len(results)} results for {len(items)} prompts")
+    return results
+
+
 def call_isolating_failures(
     call: Callable[[list[T]], Sequence[R]],
     items: list[T],
     on_split: Callable[[int, BaseException], None] | None = None,
+    oom_fallback: Callable[[list[T]], Sequence[R]] | None = None,
 ) -> list[R | Exception]:
     """`call(items)`, and on an exception retry each half, recursively. Returns one result per
-    item in order; an item that fails on its own gets its exception instead of a result."""
+    item in order; an item that fails on its own gets its exception instead of a result. A
+    single item that still runs out of memory gets one more try through `oom_fallback`
+    (generation without speculation: no draft tokens to verify, the smallest footprint)."""
     if not items:
         return []
     try:
-        results = list(call(items))
-        if len(results) != len(items):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(items)} prompts")
-        return results
+        return checked_call(call, items)
     except Exception as exc:
-        if len(items) == 1:
-            return [exc]
         if is_out_of_memory(exc):
             free_accelerator_cache()
+        if len(items) == 1:
+            if oom_fallback is None or not is_out_of_memory(exc):
+                return [exc]
+            try:
+                return checked_call(oom_fallback, items)
+            except Exception as fallback_exc:
+                return [fallback_exc]
         if on_split is not None:
             on_split(len(items), exc)
         middle = len(items) // 2
-        return call_isolating_failures(call, items[:middle], on_split) + call_isolating_failures(call, items[middle:], on_split)
+        return call_isolating_failures(call, items[:middle], on_split, oom_fallback) + call_isolating_failures(
+            call, items[middle:], on_split, oom_fallback
+        )
 
 
 def spec_stats(stats: Any) -> SpecStats:
@@ -196,6 +211,7 @@ class GenerateBatchDoFn(beam.DoFn):
         self.engine_calls = Metrics.counter("dspark", "engine_calls")
         self.batch_splits = Metrics.counter("dspark", "batch_splits_after_error")
         self.truncated = Metrics.counter("dspark", "prompts_truncated")
+        self.oom_fallbacks = Metrics.counter("dspark", "rows_retried_without_speculation")
         self.call_seconds = Metrics.distribution("dspark", "engine_call_ms")
         # summed speculation counters: run_summary.json derives the job's ratios from them
         self.spec_counters = {name: Metrics.counter("dspark", f"spec_{name}") for name in SPEC_FIELDS}
@@ -238,10 +254,10 @@ class GenerateBatchDoFn(beam.DoFn):
     def _generate(self, batch: list[Encoded]) -> list[Any]:
         d = self.decode
 
-        def call(part: list[Encoded]):
+        def call(part: list[Encoded], generator=None):
             self.engine_calls.inc()
             with self._holder.lock:
-                return self._holder.generator.generate(
+                return (generator or self._holder.generator).generate(
                     [e.ids for e in part],
                     max_new_tokens=d.max_new_tokens,
                     temperature=d.temperature,
@@ -257,7 +273,12 @@ class GenerateBatchDoFn(beam.DoFn):
             self.batch_splits.inc()
             LOG.warning("Engine call on %d rows failed (%s: %s); retrying in halves", size, type(exc).__name__, exc)
 
-        return call_isolating_failures(call, batch, on_split)
+        def without_speculation(part: list[Encoded]):
+            self.oom_fallbacks.inc()
+            LOG.warning("Out of memory on a single row; retrying it without speculation")
+            return call(part, self._holder.no_speculation())
+
+        return call_isolating_failures(call, batch, on_split, without_speculation)
 
     def _record(self, item: Encoded, result: Any) -> GenerationRecord:
         stats = spec_stats(result.stats)
@@ -335,6 +356,15 @@ class _SharedGenerator:
         self.lock = threading.Lock()
         target = getattr(generator, "target", None)
         self.device = getattr(target, "device", None)
+
+    def no_speculation(self) -> Any:
+        """The same target without a drafter (AR decoding, one row at a time), built on first use
+        and kept; it shares the loaded weights."""
+        if getattr(self, "_no_speculation", None) is None:
+            from dspark.generator import DSparkGenerator
+
+            self._no_speculation = DSparkGenerator(self.generator.target, drafter=None, scheduler="ar", max_batch_size=1)
+        return self._no_speculation
 
     def sampler(self) -> "UsageSampler":
         return UsageSampler(self.device).start()
