@@ -1,0 +1,148 @@
+"""Schedulers: Algorithm 1 against brute force, the no-peeking property, and the simple policies."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark.cost_model import CostTable
+from dspark.schedulers import (
+    FixedLength,
+    NoSpeculation,
+    Threshold,
+    UtilizationAdaptive,
+    make_scheduler,
+    packed_tokens,
+    prefix_schedule,
+    threshold_count,
+    width_schedule,
+)
+from dspark.tree import DraftTree, top_survival_nodes
+
+
+def survival_rows(draw_conf):
+    return [list(itertools.accumulate(row, lambda a, c: a * c)) for row in draw_conf]
+
+
+confidences = st.lists(
+    st.lists(st.floats(0.05, 1.0), min_size=0, max_size=4), min_size=1, max_size=3
+)
+# Unimodal throughput: latency flat (memory-bound) up to a knee, then rising convexly.
+cost_curves = st.tuples(st.floats(0.005, 0.05), st.integers(1, 12), st.floats(1e-4, 0.02), st.floats(0.0, 1e-3))
+
+
+def latency_fn(curve):
+    base, knee, slope, curv = curve
+    return lambda b: base + slope * max(0, b - knee) + curv * max(0, b - knee) ** 2
+
+
+def theta(lengths, survival, latency):
+    tau = sum(1 + sum(row[:l]) for row, l in zip(survival, lengths))
+    return tau / latency(packed_tokens(lengths))
+
+
+@settings(max_examples=300, deadline=None)
+@given(confidences, cost_curves)
+def test_prefix_schedule_matches_brute_force(conf, curve):
+    survival = survival_rows(conf)
+    latency = latency_fn(curve)
+    chosen = prefix_schedule(survival, lambda b: 1.0 / latency(b))
+    best = max(
+        theta(ls, survival, latency) for ls in itertools.product(*[range(len(r) + 1) for r in survival])
+    )
+    assert theta(chosen, survival, latency) >= best * (1 - 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences, cost_curves, st.data())
+def test_admission_of_position_j_never_depends_on_later_tokens(conf, curve, data):
+    """Changing confidences after position j (they encode tokens drafted at >= j) must not
+    change whether position j is verified."""
+    latency = latency_fn(curve)
+    sps = lambda b: 1.0 / latency(b)  # noqa: E731
+    r = data.draw(st.integers(0, len(conf) - 1))
+    if not conf[r]:
+        return
+    j = data.draw(st.integers(0, len(conf[r]) - 1))
+    new_tail = data.draw(st.lists(st.floats(0.05, 1.0), min_size=0, max_size=4))
+    changed = [list(row) for row in conf]
+    changed[r] = conf[r][: j + 1] + new_tail
+    for schedule in (prefix_schedule, width_schedule):
+        before = schedule(survival_rows(conf), sps)
+        after = schedule(survival_rows(changed), sps)
+        assert (before[r] > j) == (after[r] > j), schedule.__name__
+
+
+def test_prefix_schedule_verifies_more_when_verification_is_cheap():
+    survival = survival_rows([[0.9, 0.9, 0.9, 0.5]] * 4)
+    free = prefix_schedule(survival, lambda b: 1.0)  # flat latency: verifying is free
+    costly = prefix_schedule(survival, lambda b: 1.0 / b)  # latency proportional to tokens
+    assert free == [4, 4, 4, 4]
+    assert costly == [0, 0, 0, 0]
+
+
+def test_width_schedule_budget_falls_as_load_rises():
+    """The paper's Figure 8 shape: with a memory-bound-then-compute-bound cost, more rows
+    means a shorter verify budget."""
+    table = CostTable((1, 16, 32, 64, 128, 256), (0.02, 0.021, 0.03, 0.05, 0.09, 0.17))
+    row = [list(itertools.accumulate([0.8] * 8, lambda a, c: a * c))]
+    budgets = [width_schedule(row * n, table.sps)[0] for n in (1, 4, 16, 32)]
+    assert budgets == sorted(budgets, reverse=True)
+    assert budgets[0] > budgets[-1]
+
+
+def tree_with(conf: list[float], parents: list[int]) -> DraftTree:
+    t = DraftTree()
+    for i, (c, p) in enumerate(zip(conf, parents)):
+        t.add(100 + i, p, c)
+    return t
+
+
+def test_threshold_stops_at_first_low_confidence_on_each_path():
+    chain = DraftTree.chain([1, 2, 3, 4], [0.95, 0.8, 0.6, 0.99])
+    assert threshold_count(chain, 0.7) == 2
+    assert threshold_count(chain, 0.9) == 1
+    tree = tree_with([0.9, 0.8, 0.5, 0.95], [-1, 0, -1, 2])  # second branch fails at its root
+    assert threshold_count(tree, 0.7) == 2
+    assert Threshold(0.7).budgets([chain, tree]) == [2, 2]
+
+
+def test_top_survival_nodes_is_ancestor_closed():
+    tree = tree_with([0.9, 0.9, 0.3, 0.99, 0.5], [-1, 0, -1, 1, 2])
+    for budget in range(len(tree) + 1):
+        keep = top_survival_nodes(tree, budget)
+        assert len(keep) == budget
+        assert all(tree.parents[k] in keep or tree.parents[k] == -1 for k in keep)
+
+
+def test_fixed_and_ar():
+    chain = DraftTree.chain([1, 2, 3], [0.1, 0.1, 0.1])
+    assert FixedLength(2).budgets([chain, DraftTree()]) == [2, 0]
+    assert NoSpeculation().budgets([chain]) == [0]
+    assert make_scheduler("fixed:5").max_depth == 5
+
+
+def test_util_policy_lengthens_when_idle_and_shortens_when_busy():
+    readings = iter([0.3, 0.3, 0.9, 0.9, 0.9, None])
+    sched = UtilizationAdaptive(probe=lambda: next(readings), start=2.0, max_len=4.0, min_len=1.0)
+    chain = DraftTree.chain(list(range(8)), [0.9] * 8)
+    lengths = [sched.budgets([chain])[0] for _ in range(6)]
+    assert lengths == [3, 4, 3, 2, 1, 1]  # 2*1.5=3, 4.5->cap 4, 4*.7=2.8, 1.96, 1.37, unchanged
+    assert [round(l, 2) for _, l in sched.history][:3] == [3.0, 4.0, 2.8]
+
+
+def test_bad_scheduler_names_are_clear_errors():
+    import pytest
+
+    for bad in ("fixed:0", "threshold:2", "nope", "fixed:x"):
+        with pytest.raises(ValueError):
+            make_scheduler(bad)
+
+
+def test_cost_table_is_monotone_and_interpolates():
+    t = CostTable.monotone([1, 4, 8], [0.01, 0.009, 0.02])
+    assert t.seconds == (0.01, 0.01, 0.02)
+    assert abs(t.latency(6) - 0.015) < 1e-12
+    assert t.latency(16) > t.latency(8)
