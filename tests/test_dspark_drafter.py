@@ -26,6 +26,16 @@ from dspark.sampling import SamplingParams
 from dspark.training.tiny import tiny_target
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two OpenMP threads contend with other
+    processes and spin, which made these tests ~20x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target(seed=0)

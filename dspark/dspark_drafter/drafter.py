@@ -73,7 +73,7 @@ class DSparkDrafter(DrafterBase):
         request.state["ctx"] = ctx[-n:]
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        request.state.clear()
+        request.state.pop("ctx", None)  # the engine keeps its own keys here (e.g. "generator")
         self._append_context(request, prompt_hidden)
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
@@ -125,7 +125,8 @@ class DSparkDrafter(DrafterBase):
         for k in range(depth):
             logits, c = self._step(base_logits, conf_h, k, torch.tensor([prev], device=self.device))
             q = probs_from_logits(logits[0], request.sampling).cpu()
-            tok = int(torch.multinomial(q, 1, generator=self.generator))
+            gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
+            tok = int(torch.multinomial(q, 1, generator=gen))
             parent = tree.add(tok, parent, float(c[0]), q)
             prev = tok
             if self.options.stop_at_eos and tok in self.eos:

@@ -1,0 +1,137 @@
+"""Self-distillation data: prompts, the deterministic split, and the target's own answers.
+
+Split: a prompt's split is a pure function of its `id` (sha256 bucket out of 64), so every
+stage and every rerun agrees on it, whatever files or order:
+    eval   buckets  0..7  (1/8)   offline evaluation and the drafter report
+    calib  buckets  8..11 (1/16)  STS calibration (held out from training and from eval)
+    train  the rest
+
+Answers are appended to a JSON Lines file one batch at a time; a rerun skips ids already
+there, so generation is resumable and can be stopped at any point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+SPLITS = ("train", "calib", "eval")
+
+
+def split_of(prompt_id: str) -> str:
+    bucket = int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % 64
+    return "eval" if bucket < 8 else "calib" if bucket < 12 else "train"
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    domain: str
+    text: str  # the first user turn
+
+    @property
+    def split(self) -> str:
+        return split_of(self.id)
+
+
+def load_prompts(folder: str | Path, files: Iterable[str] | None = None) -> list[Prompt]:
+    """Prompts of the given files (all *.jsonl when None), in file order."""
+    folder = Path(folder)
+    paths = sorted(folder.glob("*.jsonl")) if files is None else [folder / (f if f.endswith(".jsonl") else f + ".jsonl") for f in files]
+    out: list[Prompt] = []
+    for p in paths:
+        for line in p.read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                r = json.loads(line)
+                out.append(Prompt(r["id"], r.get("source", p.stem), r.get("domain", "unknown"), r["turns"][0]))
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line from an interrupted write: ignore it (it is regenerated)
+    return rows
+
+
+def plan_generation(
+    prompts: list[Prompt],
+    encode: Callable[[str], list[int]],
+    split: str,
+    max_prompt_tokens: int,
+    per_source: int | None = None,
+) -> list[tuple[Prompt, list[int]]]:
+    """The prompts of `split` to answer, shortest first (short prompts generate faster),
+    at most `per_source` per source file (the shortest ones), prompts over the limit dropped.
+    Deterministic: ties break by id."""
+    chosen = []
+    for p in prompts:
+        if p.split != split:
+            continue
+        ids = encode(p.text)
+        if len(ids) <= max_prompt_tokens:
+            chosen.append((p, ids))
+    if per_source is not None:
+        by_src: dict[str, list] = {}
+        for item in sorted(chosen, key=lambda x: (len(x[1]), x[0].id)):
+            by_src.setdefault(item[0].source, []).append(item)
+        chosen = [it for items in by_src.values() for it in items[:per_source]]
+    return sorted(chosen, key=lambda x: (len(x[1]), x[0].id))
+
+
+def generate_answers(
+    generator,  # dspark.generator.DSparkGenerator (scheduler "ar": plain greedy decoding)
+    plan: list[tuple[Prompt, list[int]]],
+    out_path: str | Path,
+    batch_size: int = 32,
+    max_new_tokens: int = 128,
+    log: Callable[[str], None] = print,
+    deadline: float | None = None,
+) -> int:
+    """Answer every planned prompt not yet in `out_path`; returns the number of new rows.
+    Stops cleanly (between batches) once `deadline` (time.time()) has passed."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_jsonl(out_path)}
+    todo = [(p, ids) for p, ids in plan if p.id not in done]
+    # drop a torn trailing line before appending
+    if out_path.is_file():
+        good = [json.dumps(r) for r in read_jsonl(out_path)]
+        out_path.write_text("".join(g + "\n" for g in good))
+    n_new, tokens, t0 = 0, 0, time.time()
+    for i in range(0, len(todo), batch_size):
+        if deadline is not None and time.time() > deadline:
+            log(f"deadline reached after {n_new} answers")
+            break
+        chunk = todo[i : i + batch_size]
+        results = generator.generate([ids for _, ids in chunk], max_new_tokens=max_new_tokens, temperature=0.0)
+        with out_path.open("a") as f:
+            for (p, ids), r in zip(chunk, results):
+                row = {
+                    "id": p.id,
+                    "source": p.source,
+                    "domain": p.domain,
+                    "split": p.split,
+                    "prompt_ids": ids,
+                    "output_ids": list(r.token_ids),
+                    "finish_reason": r.finish_reason,
+                }
+                f.write(json.dumps(row) + "\n")
+                tokens += len(r.token_ids)
+        n_new += len(chunk)
+        dt = time.time() - t0
+        log(f"answers {len(done) + n_new}/{len(plan)} (+{n_new}) {tokens} tokens in {dt:.0f}s = {tokens / max(dt, 1e-9):.0f} tok/s")
+    return n_new

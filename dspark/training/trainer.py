@@ -1,0 +1,313 @@
+"""Training and offline evaluation of the DSpark drafter on a target cache.
+
+Streaming: an epoch visits the train rows' shards in a seeded order, `shard_window` shards at a
+time; anchors of the loaded window are shuffled into batches. Only the window is in memory.
+Deterministic: the plan of epoch e is a pure function of (seed, e) and the cache index, and a
+resumed run skips to its batch within the plan, so a resumed run reproduces an unbroken one.
+Resumable: `state/` holds weights + AdamW moments (safetensors) and a JSON of counters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.dspark_drafter.losses import LossWeights, dspark_loss
+from dspark.dspark_drafter.model import DSparkModel
+from dspark.training.cache import Batch, CacheReader, anchors_for, make_batch
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    anchor_stride: int = 3  # anchors every `stride` answer positions (random phase per epoch)
+    shard_window: int = 4
+    seed: int = 0
+    save_every: int = 200
+    eval_every: int = 200
+    eval_stride: int = 4
+    eval_max_blocks: int = 1500
+    autocast_bf16: bool = True
+    weights: LossWeights = field(default_factory=LossWeights)
+
+    @staticmethod
+    def from_dict(d: dict) -> "TrainConfig":
+        d = dict(d)
+        if "weights" in d and isinstance(d["weights"], dict):
+            d["weights"] = LossWeights(**d["weights"])
+        return TrainConfig(**d)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ------------------------------------------------------------------ data plan
+
+
+def epoch_plan(reader: CacheReader, rows: list[int], gamma: int, cfg: TrainConfig, epoch: int) -> list[list[tuple[int, int]]]:
+    """Batches of (row index into reader.rows, anchor) for one epoch."""
+    rng = np.random.default_rng([cfg.seed, epoch])
+    by_shard: dict[int, list[int]] = {}
+    for r in rows:
+        by_shard.setdefault(reader.rows[r].shard, []).append(r)
+    shards = sorted(by_shard)
+    shards = [shards[i] for i in rng.permutation(len(shards))]
+    batches: list[list[tuple[int, int]]] = []
+    for w in range(0, len(shards), cfg.shard_window):
+        items = []
+        for s in shards[w : w + cfg.shard_window]:
+            for r in by_shard[s]:
+                phase = int(rng.integers(cfg.anchor_stride))
+                items += [(r, a) for a in anchors_for(reader.rows[r], gamma, cfg.anchor_stride, phase)]
+        order = rng.permutation(len(items))
+        items = [items[i] for i in order]
+        batches += [items[i : i + cfg.batch_size] for i in range(0, len(items), cfg.batch_size)]
+    return batches
+
+
+class ShardPool:
+    """Keeps the most recently used shards in memory (at most `size`)."""
+
+    def __init__(self, reader: CacheReader, size: int) -> None:
+        self.reader, self.size, self.cache = reader, size, {}
+
+    def row(self, r: int) -> dict[str, torch.Tensor]:
+        info = self.reader.rows[r]
+        if info.shard not in self.cache:
+            if len(self.cache) >= self.size:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[info.shard] = self.reader.load_shard(info.shard)
+        shard = self.cache.pop(info.shard)
+        self.cache[info.shard] = shard  # most recent last
+        return CacheReader.row(shard, info.row)
+
+
+def load_batch(pool: ShardPool, items: list[tuple[int, int]], gamma: int, context_len: int) -> Batch:
+    return make_batch([pool.row(r) for r, _ in items], [a for _, a in items], gamma, context_len)
+
+
+# ------------------------------------------------------------------ steps
+
+
+def target_logits(model: DSparkModel, final: torch.Tensor) -> torch.Tensor:
+    """[B, G, d] cached final states -> [B, G, V] float32 target logits (shared LM head)."""
+    w = model.lm_head_weight
+    return (final.to(w.dtype) @ w.T).float()
+
+
+def forward_batch(model: DSparkModel, batch: Batch, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ctx = model.project_context(batch.ctx_feats)
+        logits, conf = model.teacher_forced(ctx, batch.ctx_valid, batch.tokens)
+    return logits.float(), conf.float()
+
+
+@dataclass
+class EvalResult:
+    accepted: np.ndarray  # [n, G] greedy: draft argmax == target argmax at k (teacher forced)
+    conf_logits: np.ndarray  # [n, G]
+    l1: np.ndarray  # [n, G] ||p_d - p_t||_1 (sampling at T = 1: acceptance = 1 - l1/2)
+    domains: list[str]
+
+    def tau(self, mask: np.ndarray | None = None) -> float:
+        """Greedy tau = 1 + expected accepted prefix length (counts the bonus token)."""
+        acc = self.accepted if mask is None else self.accepted[mask]
+        return float(1.0 + np.cumprod(acc, axis=1).sum(1).mean()) if len(acc) else float("nan")
+
+    def tau_by_domain(self) -> dict[str, float]:
+        doms = np.array(self.domains)
+        out = {d: self.tau(doms == d) for d in sorted(set(self.domains))}
+        out["all"] = self.tau()
+        return out
+
+    def per_position_acceptance(self) -> np.ndarray:
+        """[G] P(position k accepted | 1..k-1 accepted)."""
+        pre = np.cumprod(self.accepted, axis=1)
+        reach = np.concatenate([np.ones((len(pre), 1)), pre[:, :-1]], axis=1)
+        return pre.sum(0) / np.maximum(reach.sum(0), 1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: DSparkModel,
+    reader: CacheReader,
+    rows: list[int],
+    stride: int = 4,
+    max_blocks: int | None = None,
+    batch_size: int = 64,
+    autocast: bool = True,
+) -> EvalResult:
+    """Offline greedy evaluation on full blocks; deterministic anchors (every `stride`)."""
+    g, n = model.cfg.gamma, model.cfg.context_len
+    items = [(r, a) for r in rows for a in anchors_for(reader.rows[r], g, stride, 0, full_blocks=True)]
+    if max_blocks is not None and len(items) > max_blocks:
+        keep = np.random.default_rng(12345).choice(len(items), max_blocks, replace=False)
+        items = [items[i] for i in sorted(keep)]
+    pool = ShardPool(reader, 2)
+    was_training = model.training
+    model.eval()
+    acc, conf, l1s, doms = [], [], [], []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i : i + batch_size]
+        batch = load_batch(pool, chunk, g, n)
+        logits, c = forward_batch(model, batch, autocast)
+        tl = target_logits(model, batch.final)
+        acc.append((logits.argmax(-1) == tl.argmax(-1)).numpy())
+        conf.append(c.numpy())
+        l1s.append((logits.softmax(-1) - tl.softmax(-1)).abs().sum(-1).numpy())
+        doms += [reader.rows[r].domain for r, _ in chunk]
+    model.train(was_training)
+    if not acc:
+        z = np.zeros((0, g))
+        return EvalResult(z, z, z, [])
+    return EvalResult(np.concatenate(acc).astype(np.float64), np.concatenate(conf), np.concatenate(l1s), doms)
+
+
+# ------------------------------------------------------------------ state
+
+
+def save_state(folder: Path, model: DSparkModel, opt: torch.optim.Optimizer, counters: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    tensors[f"opt.{names[id(p)]}.{key}"] = st[key].contiguous()
+            if "step" in st:
+                counters.setdefault("opt_step", {})[names[id(p)]] = float(st["step"])
+    tmp = folder / "state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(folder / "state.safetensors")
+    (folder / "counters.json.tmp").write_text(json.dumps(counters, indent=1))
+    (folder / "counters.json.tmp").replace(folder / "counters.json")
+
+
+def load_state(folder: Path, model: DSparkModel, opt: torch.optim.Optimizer) -> dict | None:
+    if not (folder / "counters.json").is_file():
+        return None
+    counters = json.loads((folder / "counters.json").read_text())
+    tensors = load_file(str(folder / "state.safetensors"))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if f"opt.{name}.exp_avg" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(counters.get("opt_step", {}).get(name, 0.0)),
+                "exp_avg": tensors[f"opt.{name}.exp_avg"],
+                "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"],
+            }
+    return counters
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# ------------------------------------------------------------------ loop
+
+
+def train(
+    model: DSparkModel,
+    reader: CacheReader,
+    train_rows: list[int],
+    cfg: TrainConfig,
+    state_dir: Path,
+    eval_sets: dict[str, tuple[CacheReader, list[int]]] | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    deadline: float | None = None,
+) -> dict:
+    """Train to cfg.steps (resuming from state_dir); returns the counters (history, costs)."""
+    torch.manual_seed(cfg.seed)
+    g, n = model.cfg.gamma, model.cfg.context_len
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    counters = load_state(state_dir, model, opt) or {
+        "step": 0, "epoch": 0, "batch_in_epoch": 0, "wall_s": 0.0, "cpu_s": 0.0, "history": [], "config": asdict(cfg)
+    }
+    if counters["step"]:
+        log(f"resumed at step {counters['step']} (epoch {counters['epoch']}, batch {counters['batch_in_epoch']})")
+    model.train()
+    pool = ShardPool(reader, cfg.shard_window)
+    plan = epoch_plan(reader, train_rows, g, cfg, counters["epoch"])
+    t_wall, t_cpu = time.time(), time.process_time()
+    wall0, cpu0 = counters["wall_s"], counters["cpu_s"]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=counters["step"], desc="train", disable=not progress, mininterval=5)
+    run_loss = None
+
+    def checkpoint() -> None:
+        counters["wall_s"] = wall0 + time.time() - t_wall
+        counters["cpu_s"] = cpu0 + time.process_time() - t_cpu
+        counters["peak_rss_mb"] = max(counters.get("peak_rss_mb", 0.0), peak_rss_mb())
+        save_state(state_dir, model, opt, counters)
+
+    while counters["step"] < cfg.steps:
+        if deadline is not None and time.time() > deadline:
+            log("deadline reached; state saved")
+            break
+        if counters["batch_in_epoch"] >= len(plan):
+            counters["epoch"] += 1
+            counters["batch_in_epoch"] = 0
+            plan = epoch_plan(reader, train_rows, g, cfg, counters["epoch"])
+        items = plan[counters["batch_in_epoch"]]
+        batch = load_batch(pool, items, g, n)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(counters["step"], cfg)
+        logits, conf = forward_batch(model, batch, cfg.autocast_bf16)
+        with torch.no_grad():
+            tl = target_logits(model, batch.final)
+        out = dspark_loss(logits, tl, batch.tokens[:, 1:], conf, batch.valid, cfg.weights)
+        opt.zero_grad(set_to_none=True)
+        out.total.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        counters["step"] += 1
+        counters["batch_in_epoch"] += 1
+        vals = [float(out.total.detach()), float(out.ce), float(out.tv), float(out.conf)]
+        run_loss = vals if run_loss is None else [0.95 * a + 0.05 * b for a, b in zip(run_loss, vals)]
+        bar.update(1)
+        bar.set_postfix(loss=f"{run_loss[0]:.3f}", ce=f"{run_loss[1]:.2f}", tv=f"{run_loss[2]:.3f}")
+        step = counters["step"]
+        if eval_sets and (step % cfg.eval_every == 0 or step == cfg.steps):
+            rec = {"step": step, "loss": run_loss, "epoch": counters["epoch"]}
+            for name, (rd, rows) in eval_sets.items():
+                res = evaluate(model, rd, rows, cfg.eval_stride, cfg.eval_max_blocks, autocast=cfg.autocast_bf16)
+                rec[f"tau_{name}"] = res.tau()
+            counters["history"].append(rec)
+            log(json.dumps(rec))
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            checkpoint()
+    bar.close()
+    checkpoint()
+    return counters

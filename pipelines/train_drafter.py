@@ -1,0 +1,227 @@
+"""Train a DSpark drafter for a target: `python -m pipelines.train_drafter --config configs/train_smollm2.yaml`.
+
+Stages (all by default, each resumable; rerun the same command to continue):
+  generate   the target answers prompts through the project's engine (greedy) and the target
+             cache (injected layers + final hidden state) is recorded on the way, in shards:
+             eval and calib splits first (capped per source), then train
+  train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/state
+  calibrate  Sequential Temperature Scaling on the calib split; writes the final checkpoint
+             (safetensors + config.json with temperatures and target fingerprint) to `output`
+
+Big artefacts live in work_dir (outside the repository); only `output` is meant to be committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STAGES = ("generate", "train", "calibrate")
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def interleave_sources(plan: list) -> list:
+    """Round-robin across source files (each shortest first): every prefix of the plan
+    covers every domain, so stopping generation early still gives a mixed training set."""
+    by_src: dict[str, list] = {}
+    for item in plan:
+        by_src.setdefault(item[0].source, []).append(item)
+    out, i = [], 0
+    queues = [v for _, v in sorted(by_src.items())]
+    while any(i < len(q) for q in queues):
+        out += [q[i] for q in queues if i < len(q)]
+        i += 1
+    return out
+
+
+class Logger:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a")
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.f.write(line + "\n")
+        self.f.flush()
+
+
+def setup_torch(cfg: dict) -> None:
+    import torch
+
+    threads = cfg.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    torch.manual_seed(int(cfg.get("seed", 0)))
+
+
+def model_config(cfg: dict, target):
+    from dspark.dspark_drafter import DSparkConfig
+
+    return DSparkConfig.for_target(target.model.config, **(cfg.get("model") or {}))
+
+
+def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float | None) -> None:
+    from dspark.training.data import load_prompts, plan_generation
+    from dspark.training.record import generate_with_cache
+
+    pc, gc = cfg.get("prompts") or {}, cfg.get("generate") or {}
+    mcfg = model_config(cfg, target)
+    prompts = load_prompts(pc.get("dir", "/work/shared/data/prompts"), pc.get("files"))
+    encode = lambda text: target.encode(text)  # noqa: E731
+    for split in ("eval", "calib", "train"):
+        cap = gc.get(f"{split}_per_source")
+        plan = plan_generation(prompts, encode, split, int(pc.get("max_prompt_tokens", 384)), cap)
+        plan = interleave_sources(plan)
+        log(f"generate {split}: {len(plan)} prompts planned")
+        generate_with_cache(
+            target,
+            plan,
+            work / "cache" / split,
+            mcfg.target_layers,
+            mcfg.context_len,
+            batch_size=int(gc.get("batch_size", 32)),
+            max_new_tokens=int(gc.get("max_new_tokens", 128)),
+            shard_size=int(gc.get("shard_size", 64)),
+            log=log,
+            deadline=deadline,
+        )
+        if deadline is not None and time.time() > deadline:
+            return
+
+
+def _readers(work: Path):
+    from dspark.training.cache import CacheReader
+
+    out = {}
+    for split in ("train", "calib", "eval"):
+        d = work / "cache" / split
+        if (d / "spec.json").is_file() and any(d.glob("shard_*.safetensors")):
+            out[split] = CacheReader(d)
+    return out
+
+
+def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | None, progress: bool) -> None:
+    from dspark.dspark_drafter import build_model
+    from dspark.training.trainer import TrainConfig, train
+
+    readers = _readers(work)
+    if "train" not in readers:
+        raise SystemExit(f"no train cache under {work / 'cache' / 'train'}: run the generate stage first")
+    rd = readers["train"]
+    mcfg = model_config(cfg, target)
+    tcfg = TrainConfig.from_dict({"seed": int(cfg.get("seed", 0)), **(cfg.get("train") or {})})
+    model = build_model(mcfg, target.model)
+    n_train = len(rd.rows)
+    log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M trainable params")
+    # held-out tau and a same-size slice of train rows (to watch over-fitting)
+    evals = {}
+    if "eval" in readers:
+        evals["eval"] = (readers["eval"], list(range(len(readers["eval"].rows))))
+    evals["train"] = (rd, list(range(0, n_train, max(1, n_train // 64))))
+    counters = train(model, rd, list(range(n_train)), tcfg, work / "state", evals, log=log, progress=progress, deadline=deadline)
+    log(f"train: step {counters['step']}, wall {counters['wall_s']:.0f}s, cpu {counters['cpu_s'] / 3600:.2f} h, peak RSS {counters.get('peak_rss_mb', 0):.0f} MB")
+
+
+def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) -> dict:
+    import numpy as np
+
+    from dspark.dspark_drafter import Fingerprint, build_model, save_checkpoint
+    from dspark.dspark_drafter.calibration import sequential_temperature_scaling
+    from dspark.training.trainer import evaluate, load_state
+
+    readers = _readers(work)
+    model = build_model(model_config(cfg, target), target.model)
+    import torch
+
+    counters = load_state(work / "state", model, torch.optim.AdamW(model.parameters()))
+    if counters is None:
+        raise SystemExit(f"no training state in {work / 'state'}: run the train stage first")
+    split = "calib" if "calib" in readers else "eval"
+    ev = cfg.get("eval") or {}
+    res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"))
+    sts = sequential_temperature_scaling(res.conf_logits, res.accepted)
+    log(f"calibrate on {split} ({len(res.domains)} blocks): T = {[round(t, 3) for t in sts.temperatures]}, "
+        f"ECE {sts.ece_before:.4f} -> {sts.ece_after:.4f}, AUC {sts.auc_before:.3f} -> {sts.auc_after:.3f}")
+    extra = {
+        "calibration_split": split,
+        "calibration_blocks": len(res.domains),
+        "sts": sts.__dict__,
+        "training": {
+            "steps": counters["step"],
+            "wall_s": counters["wall_s"],
+            "cpu_hours": counters["cpu_s"] / 3600.0,
+            "peak_rss_mb": counters.get("peak_rss_mb"),
+            "train_sequences": len(readers["train"].rows) if "train" in readers else None,
+            "train_positions": readers["train"].num_positions() if "train" in readers else None,
+            "history": counters.get("history", [])[-5:],
+            "config": counters.get("config"),
+        },
+    }
+    if "eval" in readers:
+        er = evaluate(model, readers["eval"], list(range(len(readers["eval"].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"))
+        extra["eval_tau_greedy"] = er.tau_by_domain()
+        log(f"eval tau (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
+    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra)
+    log(f"checkpoint written to {output} ({sum(f.stat().st_size for f in output.iterdir()) / 1e6:.1f} MB)")
+    return extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
+    ap.add_argument("--work-dir", help="override work_dir (cache, state, logs)")
+    ap.add_argument("--output", help="override the checkpoint output directory")
+    ap.add_argument("--steps", type=int, help="override train.steps")
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--minutes", type=float, help="stop generate/train cleanly after this many minutes (resumable)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    cfg = load_config(args.config)
+    if args.steps is not None:
+        cfg.setdefault("train", {})["steps"] = args.steps
+    if args.seed is not None:
+        cfg["seed"] = args.seed
+    work = Path(args.work_dir or cfg.get("work_dir") or "/tmp/dspark-train").expanduser()
+    output = Path(args.output or cfg.get("output") or work / "checkpoint")
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        ap.error(f"unknown stage(s) {bad}; choose from {STAGES}")
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    log = Logger(work / "train_drafter.log")
+    log(f"config {args.config}, stages {stages}, work_dir {work}, output {output}, pid {os.getpid()}")
+    setup_torch(cfg)
+
+    from dspark.models import load_model, wrap_model
+
+    if cfg.get("target") == "tiny":  # a random tiny Llama: smoke tests of the whole job
+        from dspark.training.tiny import tiny_target
+
+        target = tiny_target(seed=int(cfg.get("seed", 0)))
+    else:
+        target = load_model(cfg.get("target", "smollm2-135m-instruct"), dtype=cfg.get("dtype", "float32"))
+    del wrap_model
+    if "generate" in stages:
+        stage_generate(cfg, target, work, log, deadline)
+    if "train" in stages:
+        stage_train(cfg, target, work, log, deadline, progress=not args.no_progress)
+    if "calibrate" in stages:
+        stage_calibrate(cfg, target, work, output, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

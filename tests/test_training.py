@@ -1,0 +1,155 @@
+"""Drafter training pieces: split, self-distillation cache, batches, deterministic resumable
+training, and a tiny train-then-generate run that must stay lossless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
+from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
+from dspark.training.data import Prompt, load_prompts, split_of
+from dspark.training.record import generate_with_cache
+from dspark.training.tiny import tiny_target
+from dspark.training.trainer import TrainConfig, evaluate, train
+
+LAYERS = (1, 3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two OpenMP threads contend with other
+    processes and spin, which made these tests ~20x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0, layers=4)
+
+
+def tiny_plan(n: int, start: int = 0) -> list:
+    g = np.random.default_rng(start)
+    return [
+        (Prompt(f"p{start + i}", f"src{i % 2}", ["math", "chat"][i % 2], "x"), [1] + [int(x) for x in g.integers(3, 96, 4 + i % 5)])
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, target):
+    d = tmp_path_factory.mktemp("cache")
+    generate_with_cache(target, tiny_plan(12), d, LAYERS, context_len=6, batch_size=6, max_new_tokens=24, shard_size=6, log=lambda m: None)
+    return d
+
+
+def drafter_cfg(target, **kw) -> DSparkConfig:
+    base = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=LAYERS)
+    return DSparkConfig.for_target(target.model.config, **{**base, **kw})
+
+
+def test_split_is_a_deterministic_function_of_id():
+    ids = [f"x-{i}" for i in range(4000)]
+    splits = [split_of(i) for i in ids]
+    assert splits == [split_of(i) for i in ids]
+    frac = {s: splits.count(s) / len(ids) for s in ("train", "calib", "eval")}
+    assert abs(frac["eval"] - 1 / 8) < 0.02 and abs(frac["calib"] - 1 / 16) < 0.015
+
+
+def test_load_prompts_keeps_unicode_line_separators(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "a-1", "domain": "chat", "turns": ["one\u2028two", "t2"]}, ensure_ascii=False) + "\n")
+    (p,) = load_prompts(tmp_path)
+    assert p.text == "one\u2028two" and p.source == "a" and p.split == split_of("a-1")
+
+
+def test_recorded_cache_matches_a_full_forward(cache_dir, target, tmp_path):
+    rd = CacheReader(cache_dir)
+    assert len(rd.rows) == 12 and len(rd.shards) == 2
+    # rerun: nothing to do (resumable)
+    assert generate_with_cache(target, tiny_plan(12), cache_dir, LAYERS, 6, 6, 24, 6, log=lambda m: None) == 0
+    # the same answers through a separate full forward (build_cache) give the same states
+    build_cache(target, cache_dir / "answers.jsonl", tmp_path / "full", LAYERS, 6, shard_size=6, log=lambda m: None)
+    full = CacheReader(tmp_path / "full")
+    by_id = {r.id: r for r in full.rows}
+    for info in rd.rows[:4]:
+        a = CacheReader.row(rd.load_shard(info.shard), info.row)
+        o = by_id[info.id]
+        b = CacheReader.row(full.load_shard(o.shard), o.row)
+        assert a["tokens"].tolist() == b["tokens"].tolist() and info.answer_start == o.answer_start
+        n = len(a["tokens"]) - 1  # the last token's states are never computed while generating
+        torch.testing.assert_close(a["feats"][:n].float(), b["feats"][:n].float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(a["final"][:n].float(), b["final"][:n].float(), atol=0.05, rtol=0.02)
+
+
+def test_anchors_and_batch_layout(cache_dir):
+    rd = CacheReader(cache_dir)
+    info = rd.rows[0]
+    anchors = anchors_for(info, gamma=4, stride=1)
+    assert anchors[0] == info.answer_start - 1 and anchors[-1] == info.length - 2
+    full = anchors_for(info, gamma=4, stride=1, full_blocks=True)
+    assert full[-1] == info.length - 5
+    row = CacheReader.row(rd.load_shard(0), 0)
+    a = anchors[-1]
+    b = make_batch([row, row], [anchors[0], a], gamma=4, context_len=6)
+    assert b.ctx_feats.shape == (2, 6, row["feats"].shape[1]) and b.tokens.shape == (2, 5)
+    assert b.valid[1].tolist() == [True, False, False, False]  # block runs past the end
+    assert b.tokens[0].tolist() == row["tokens"][anchors[0] : anchors[0] + 5].tolist()
+    # context = the positions right before the anchor, right-aligned
+    k = min(6, anchors[0])
+    assert b.ctx_valid[0].sum() == k
+    torch.testing.assert_close(b.ctx_feats[0, 6 - k :], row["feats"][anchors[0] - k : anchors[0]])
+
+
+def test_training_is_deterministic_and_resumes_exactly(cache_dir, target, tmp_path):
+    rd = CacheReader(cache_dir)
+    rows = list(range(len(rd.rows)))
+    cfg = TrainConfig(steps=6, batch_size=8, warmup=2, save_every=3, eval_every=1000, autocast_bf16=False, seed=3)
+
+    def fresh():
+        torch.manual_seed(0)
+        return build_model(drafter_cfg(target), target.model)
+
+    a = fresh()
+    train(a, rd, rows, cfg, tmp_path / "a", progress=False, log=lambda m: None)
+    b = fresh()
+    train(b, rd, rows, TrainConfig(**{**cfg.__dict__, "steps": 3}), tmp_path / "b", progress=False, log=lambda m: None)
+    b2 = fresh()  # a new process: everything comes back from the saved state
+    counters = train(b2, rd, rows, cfg, tmp_path / "b", progress=False, log=lambda m: None)
+    assert counters["step"] == 6
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b2.state_dict()[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_tiny_train_then_generate_is_lossless(cache_dir, target, tmp_path):
+    from dspark.generator import DSparkGenerator
+
+    rd = CacheReader(cache_dir)
+    torch.manual_seed(0)
+    model = build_model(drafter_cfg(target), target.model)
+    rows = list(range(len(rd.rows)))
+    before = evaluate(model, rd, rows, stride=1, autocast=False).tau()
+    cfg = TrainConfig(steps=120, batch_size=16, lr=3e-3, warmup=10, save_every=1000, eval_every=1000, autocast_bf16=False)
+    train(model, rd, rows, cfg, tmp_path / "state", progress=False, log=lambda m: None)
+    after = evaluate(model, rd, rows, stride=1, autocast=False)
+    assert after.tau() > before + 0.3  # it learned the target's continuations (train split)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), temperatures=[1.0] * 4)
+
+    prompts = [ids for _, ids in tiny_plan(4, start=100)]
+    ref = DSparkGenerator(target, drafter=None, scheduler="ar", max_batch_size=4).generate(prompts, max_new_tokens=20)
+    for sched in ("fixed:4", "threshold:0.2"):
+        drafter = load_drafter(tmp_path / "ck", target)
+        got = DSparkGenerator(target, drafter=drafter, scheduler=sched, max_batch_size=3).generate(prompts, max_new_tokens=20)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref], sched
+    # the branching drafter (3 candidates per step) through the same engine
+    from dspark.dspark_drafter import DrafterOptions
+
+    drafter = load_drafter(tmp_path / "ck", target, options=DrafterOptions(branch_width=3, branch_ratio=0.0))
+    got = DSparkGenerator(target, drafter=drafter, scheduler="fixed:8", max_batch_size=4).generate(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
