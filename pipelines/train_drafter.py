@@ -26,8 +26,20 @@ import yaml
 STAGES = ("generate", "train", "calibrate")
 
 
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
-    return yaml.safe_load(Path(path).read_text()) or {}
+    """YAML config; `base: other.yaml` (relative to this file) is loaded first and overridden."""
+    path = Path(path)
+    cfg = yaml.safe_load(path.read_text()) or {}
+    if "base" in cfg:
+        cfg = _merge(load_config(path.parent / cfg.pop("base")), cfg)
+    return cfg
 
 
 def interleave_sources(plan: list) -> list:
@@ -56,6 +68,11 @@ class Logger:
         self.f.flush()
 
 
+def state_dir(cfg: dict, work: Path) -> Path:
+    """Runs sharing one cache (e.g. DSpark and the parallel-only ablation) keep separate states."""
+    return work / "runs" / str(cfg.get("run", "dspark"))
+
+
 def setup_torch(cfg: dict) -> None:
     import torch
 
@@ -63,6 +80,17 @@ def setup_torch(cfg: dict) -> None:
     if threads:
         torch.set_num_threads(int(threads))
     torch.manual_seed(int(cfg.get("seed", 0)))
+
+
+def load_target(cfg: dict):
+    """The config's target; "tiny" is a random tiny Llama for smoke runs of the whole job."""
+    if cfg.get("target") == "tiny":
+        from dspark.training.tiny import tiny_target
+
+        return tiny_target(seed=int(cfg.get("seed", 0)))
+    from dspark.models import load_model
+
+    return load_model(cfg.get("target", "smollm2-135m-instruct"), dtype=cfg.get("dtype", "float32"))
 
 
 def model_config(cfg: dict, target):
@@ -123,13 +151,13 @@ def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | No
     tcfg = TrainConfig.from_dict({"seed": int(cfg.get("seed", 0)), **(cfg.get("train") or {})})
     model = build_model(mcfg, target.model)
     n_train = len(rd.rows)
-    log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M trainable params")
+    log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M trainable params")
     # held-out tau and a same-size slice of train rows (to watch over-fitting)
     evals = {}
     if "eval" in readers:
         evals["eval"] = (readers["eval"], list(range(len(readers["eval"].rows))))
     evals["train"] = (rd, list(range(0, n_train, max(1, n_train // 64))))
-    counters = train(model, rd, list(range(n_train)), tcfg, work / "state", evals, log=log, progress=progress, deadline=deadline)
+    counters = train(model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline)
     log(f"train: step {counters['step']}, wall {counters['wall_s']:.0f}s, cpu {counters['cpu_s'] / 3600:.2f} h, peak RSS {counters.get('peak_rss_mb', 0):.0f} MB")
 
 
@@ -144,9 +172,9 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
     model = build_model(model_config(cfg, target), target.model)
     import torch
 
-    counters = load_state(work / "state", model, torch.optim.AdamW(model.parameters()))
+    counters = load_state(state_dir(cfg, work), model, torch.optim.AdamW(model.parameters()))
     if counters is None:
-        raise SystemExit(f"no training state in {work / 'state'}: run the train stage first")
+        raise SystemExit(f"no training state in {state_dir(cfg, work)}: run the train stage first")
     split = "calib" if "calib" in readers else "eval"
     ev = cfg.get("eval") or {}
     res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"))
@@ -205,15 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"config {args.config}, stages {stages}, work_dir {work}, output {output}, pid {os.getpid()}")
     setup_torch(cfg)
 
-    from dspark.models import load_model, wrap_model
-
-    if cfg.get("target") == "tiny":  # a random tiny Llama: smoke tests of the whole job
-        from dspark.training.tiny import tiny_target
-
-        target = tiny_target(seed=int(cfg.get("seed", 0)))
-    else:
-        target = load_model(cfg.get("target", "smollm2-135m-instruct"), dtype=cfg.get("dtype", "float32"))
-    del wrap_model
+    target = load_target(cfg)
     if "generate" in stages:
         stage_generate(cfg, target, work, log, deadline)
     if "train" in stages:

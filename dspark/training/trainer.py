@@ -124,9 +124,9 @@ def forward_batch(model: DSparkModel, batch: Batch, autocast: bool) -> tuple[tor
 
 @dataclass
 class EvalResult:
-    accepted: np.ndarray  # [n, G] greedy: draft argmax == target argmax at k (teacher forced)
-    conf_logits: np.ndarray  # [n, G]
-    l1: np.ndarray  # [n, G] ||p_d - p_t||_1 (sampling at T = 1: acceptance = 1 - l1/2)
+    accepted: np.ndarray  # [n, G] greedy: drafted token == target argmax at k (prefix products are exact)
+    conf_logits: np.ndarray  # [n, G] raw confidence logits along the drafted (free-running) chain
+    l1: np.ndarray  # [n, G] ||p_d - p_t||_1 teacher forced (sampling at T = 1: acceptance = 1 - l1/2)
     domains: list[str]
 
     def tau(self, mask: np.ndarray | None = None) -> float:
@@ -146,6 +146,23 @@ class EvalResult:
         reach = np.concatenate([np.ones((len(pre), 1)), pre[:, :-1]], axis=1)
         return pre.sum(0) / np.maximum(reach.sum(0), 1)
 
+    def subset(self, mask: np.ndarray) -> "EvalResult":
+        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], [d for d, m in zip(self.domains, mask) if m])
+
+
+def free_running(model: DSparkModel, base_logits: torch.Tensor, conf_h: torch.Tensor, anchor: torch.Tensor, markov: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain exactly as the drafter proposes it: x_k = argmax(U_k + B(x_{k-1})).
+    Returns tokens [B, G] and raw confidence logits [B, G]. markov=False drops the bias
+    (the Markov head switched off at inference)."""
+    prev, toks, confs = anchor, [], []
+    for k in range(base_logits.shape[1]):
+        feat = model.markov_features(prev) if markov else None
+        logits = base_logits[:, k] + model.markov_bias(feat)
+        confs.append(model.conf_logit(conf_h[:, k], feat))
+        prev = logits.argmax(-1)
+        toks.append(prev)
+    return torch.stack(toks, 1), torch.stack(confs, 1)
+
 
 @torch.no_grad()
 def evaluate(
@@ -155,9 +172,11 @@ def evaluate(
     stride: int = 4,
     max_blocks: int | None = None,
     batch_size: int = 64,
-    autocast: bool = True,
+    autocast: bool = False,
+    markov: bool = True,
 ) -> EvalResult:
-    """Offline greedy evaluation on full blocks; deterministic anchors (every `stride`)."""
+    """Offline greedy evaluation on full blocks with deterministic anchors (every `stride`):
+    the drafter's free-running chain against the target's argmax from the cache."""
     g, n = model.cfg.gamma, model.cfg.context_len
     items = [(r, a) for r in rows for a in anchors_for(reader.rows[r], g, stride, 0, full_blocks=True)]
     if max_blocks is not None and len(items) > max_blocks:
@@ -170,11 +189,16 @@ def evaluate(
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         batch = load_batch(pool, chunk, g, n)
-        logits, c = forward_batch(model, batch, autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ctx = model.project_context(batch.ctx_feats)
+            out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
         tl = target_logits(model, batch.final)
-        acc.append((logits.argmax(-1) == tl.argmax(-1)).numpy())
-        conf.append(c.numpy())
-        l1s.append((logits.softmax(-1) - tl.softmax(-1)).abs().sum(-1).numpy())
+        drafted, c = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0], markov)
+        acc.append((drafted == tl.argmax(-1)).numpy())
+        conf.append(c.float().numpy())
+        feat = model.markov_features(batch.tokens[:, :-1]) if markov else None
+        tf = (out.base_logits + model.markov_bias(feat)).float()  # teacher forced
+        l1s.append((tf.softmax(-1) - tl.softmax(-1)).abs().sum(-1).numpy())
         doms += [reader.rows[r].domain for r, _ in chunk]
     model.train(was_training)
     if not acc:
