@@ -143,7 +143,7 @@ def test_tiny_train_then_generate_is_lossless(cache_dir, target, tmp_path):
 
     prompts = [ids for _, ids in tiny_plan(4, start=100)]
     ref = DSparkGenerator(target, drafter=None, scheduler="ar", max_batch_size=4).generate(prompts, max_new_tokens=20)
-    for sched in ("fixed:4", "threshold:0.2"):
+    for sched in ("fixed:4", "threshold:0.2", "dspark"):
         drafter = load_drafter(tmp_path / "ck", target)
         got = DSparkGenerator(target, drafter=drafter, scheduler=sched, max_batch_size=3).generate(prompts, max_new_tokens=20)
         assert [r.token_ids for r in got] == [r.token_ids for r in ref], sched
@@ -153,3 +153,35 @@ def test_tiny_train_then_generate_is_lossless(cache_dir, target, tmp_path):
     drafter = load_drafter(tmp_path / "ck", target, options=DrafterOptions(branch_width=3, branch_ratio=0.0))
     got = DSparkGenerator(target, drafter=drafter, scheduler="fixed:8", max_batch_size=4).generate(prompts, max_new_tokens=20)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+
+
+def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
+    """The report's offline evaluation drafts exactly what the engine plug-in drafts."""
+    from dspark.drafters.base import DraftRequest
+    from dspark.dspark_drafter import DrafterOptions, DSparkDrafter
+    from dspark.sampling import SamplingParams
+    from dspark.training.trainer import free_running, load_batch, ShardPool
+
+    torch.manual_seed(0)
+    model = build_model(drafter_cfg(target), target.model)
+    with torch.no_grad():
+        model.markov_w2.normal_(std=0.5)
+        model.conf_head.weight.normal_()
+    rd = CacheReader(cache_dir)
+    info = rd.rows[2]
+    row = CacheReader.row(rd.load_shard(info.shard), info.row)
+    a = info.answer_start + 3
+    batch = load_batch(ShardPool(rd, 1), [(2, a)], 4, 6)
+    with torch.no_grad():
+        ctx = model.project_context(batch.ctx_feats)
+        out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
+        toks, conf = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0])
+    drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[])
+    req = DraftRequest(0, row["tokens"][: a + 1].tolist(), SamplingParams())
+    m = len(LAYERS)
+    feats = row["feats"][:a].float()
+    d = feats.shape[1] // m
+    drafter.start(req, [feats[:, i * d : (i + 1) * d] for i in range(m)])
+    (tree,) = drafter.propose([req], 4)
+    assert tree.tokens == toks[0].tolist()
+    assert tree.confidence == pytest.approx(torch.sigmoid(conf[0]).tolist(), abs=1e-4)
