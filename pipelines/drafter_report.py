@@ -264,6 +264,54 @@ def _markdown(s: dict, files: list[str]) -> str:
     return "\n".join(lines)
 
 
+def write_card(path: Path, s: dict, command: str) -> None:
+    """The checkpoint's card: data, cost and the measured figures (eval split)."""
+    tr = s.get("training") or {}
+    cfg = tr.get("config") or {}
+    r = s["results"]
+    doms = [d for d in r["dspark"]["tau"] if d != "all"] + ["all"]
+    cal = s["calibration"]
+    lines = [
+        f"# DSpark drafter for {s['target']}",
+        "",
+        "Semi-autoregressive block drafter (parallel backbone + Markov head + confidence head) trained by",
+        "self-distillation: the target answered training prompts greedily through the project's engine and",
+        "its hidden states were recorded on the way. Only the drafter's own weights are stored (bf16",
+        "safetensors); the embedding and LM head are the target's, shared and frozen. `config.json` holds",
+        "the architecture, the STS temperatures and the target fingerprint (loading it against another",
+        "target raises TargetMismatchError).",
+        "",
+        "## Data",
+        "",
+        f"- prompts: `/work/shared/data/prompts` (all ten files), split by a hash of `id` "
+        "(`dspark.training.data.split_of`: eval 1/8, calib 1/16, train the rest); training never saw eval or calib prompts",
+        f"- training sequences: {tr.get('train_sequences')} greedy answers (max 128 new tokens), "
+        f"{tr.get('train_positions')} cached positions",
+        f"- evaluation: {s['eval_sequences']} eval-split answers, {s['blocks']} blocks (anchors every {s['anchor_stride']} positions)",
+        "",
+        "## Training",
+        "",
+        f"- steps {tr.get('steps')}, batch {cfg.get('batch_size')}, lr {cfg.get('lr')}, seed {cfg.get('seed')}",
+        f"- wall time {tr.get('wall_s', 0) / 60:.1f} min, CPU time {tr.get('cpu_hours', 0):.2f} h, peak RSS {tr.get('peak_rss_mb') or 0:.0f} MB "
+        "(training stage only; generation is extra, see the report)",
+        f"- command: `{command}`",
+        "",
+        "## Measured (offline, eval split, greedy, gamma " + str(s["gamma"]) + ", tau counts the bonus token)",
+        "",
+        "| drafter | " + " | ".join(doms) + " |",
+        "| --- | " + " | ".join("---" for _ in doms) + " |",
+    ]
+    for res in r.values():
+        lines.append(f"| {res['label']} | " + " | ".join(f"{res['tau'].get(d, float('nan')):.3f}" for d in doms) + " |")
+    lines += [
+        "",
+        f"Prefix-survival calibration (STS fitted on calib, measured on eval): ECE {cal['before']['ece']:.4f} -> "
+        f"{cal['after']['ece']:.4f}, ROC-AUC {cal['before']['auc']:.3f} -> {cal['after']['auc']:.3f}.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/train_smollm2.yaml")
@@ -272,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="report folder (default: <work_dir>/report)")
     ap.add_argument("--stride", type=int, default=2)
     ap.add_argument("--max-blocks", type=int, default=None)
+    ap.add_argument("--card", help="also write the checkpoint card (Markdown) to this path")
+    ap.add_argument("--train-command", default="python -m pipelines.train_drafter --config configs/train_smollm2.yaml")
     args = ap.parse_args(argv)
     from pipelines.train_drafter import load_config
 
@@ -284,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v["tau"] for k, v in s["results"].items()}, indent=1))
     print(json.dumps(s["calibration"]))
     print(f"report: {out / 'report.md'}")
+    if args.card:
+        write_card(Path(args.card), s, args.train_command)
+        print(f"card: {args.card}")
     return 0
 
 

@@ -109,7 +109,8 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
     encode = lambda text: target.encode(text)  # noqa: E731
     for split in ("eval", "calib", "train"):
         cap = gc.get(f"{split}_per_source")
-        plan = plan_generation(prompts, encode, split, int(pc.get("max_prompt_tokens", 384)), cap)
+        limit = int(pc.get(f"{split}_max_prompt_tokens", pc.get("max_prompt_tokens", 384)))
+        plan = plan_generation(prompts, encode, split, limit, cap)
         plan = interleave_sources(plan)
         log(f"generate {split}: {len(plan)} prompts planned")
         generate_with_cache(

@@ -87,7 +87,9 @@ def generate_with_cache(
     todo = [(p, ids) for p, ids in plan if p.id not in done]
     recorder = HiddenRecorder(layers, target.model.config.num_hidden_layers)
     gen = DSparkGenerator(target, drafter=recorder, scheduler="fixed:1", max_batch_size=batch_size)
-    t0, n_new, n_tok = time.time(), 0, 0
+    t0, c0, n_new, n_tok = time.time(), time.process_time(), 0, 0
+    stats_path = out / "gen_stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {"wall_s": 0.0, "cpu_s": 0.0, "answers": 0, "new_tokens": 0}
     for i in range(0, len(todo), shard_size):
         if deadline is not None and time.time() > deadline:
             log(f"deadline reached after {n_new} answers")
@@ -110,6 +112,9 @@ def generate_with_cache(
                 f.write(json.dumps(row) + "\n")
         k += 1
         n_new += len(items)
+        # cumulative generation cost (all runs into this folder), for the checkpoint card
+        now = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "answers": n_new, "new_tokens": n_tok}
+        stats_path.write_text(json.dumps({key: stats[key] + now[key] for key in stats}))
         dt = time.time() - t0
         log(f"{out.name}: shard {k} +{n_new} answers ({len(done) + n_new}/{len(plan)}), {n_tok} new tokens in {dt:.0f}s = {n_tok / max(dt, 1e-9):.1f} tok/s")
     return n_new
