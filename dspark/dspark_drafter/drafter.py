@@ -104,7 +104,7 @@ class DSparkDrafter(DrafterBase):
             return [DraftTree() for _ in requests]
         ctx, valid = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
-        out = self.model.forward_block(ctx, valid, anchors)
+        out = self.model.forward_block(ctx, valid, anchors, depth)
         return [self._tree(r, out.base_logits[b, :depth], out.conf_h[b, :depth], depth) for b, r in enumerate(requests)]
 
     def _step(self, base_logits: torch.Tensor, conf_h: torch.Tensor, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -259,9 +259,10 @@ class DSparkModel(nn.Module):
         mask = self.mask_embed[None, None, :].expand(b, g - 1, -1)
         return torch.cat([emb[:, None, :], mask], dim=1)
 
-    def forward_block(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor) -> BlockOutput:
+    def forward_block(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> BlockOutput:
         """ctx [B, N, d] projected context (right-aligned, oldest first), ctx_valid [B, N],
-        anchor [B] -> BlockOutput for block positions 1..G."""
+        anchor [B] -> BlockOutput for block positions 1..G (logits only for the first `depth`:
+        the LM head is most of the drafter's cost)."""
         g, n = self.cfg.gamma, ctx.shape[1]
         x = self.block_inputs(anchor)
         # Positions: context 0..N-1, anchor N, masks N+1..; RoPE is relative so the absolute
@@ -272,7 +273,7 @@ class DSparkModel(nn.Module):
         ctx = ctx.to(x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, mask, rope)
-        h = self.final_norm(x)  # [B, G, d]
+        h = self.final_norm(x)[:, : depth or g]  # [B, G', d]
         base_logits = (h.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T).float()  # [B, G, V]
         d = self.cfg.hidden_size
         conf_h = (h @ self.conf_head.weight[0, :d].to(h.dtype)).float() + self.conf_head.bias.float()  # [B, G]
