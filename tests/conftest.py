@@ -22,7 +22,11 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def tiny_model(arch: str, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2, eos: int | None = None):
+def tiny_model(
+    arch: str, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2, eos: int | None = None, sharpen: float = 1.0
+):
+    """A random-weight causal LM. `sharpen` scales the (tied) embedding so next-token
+    distributions are peaked, as a trained model's are, and drafters' confidences mean something."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab_size,
@@ -43,6 +47,9 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, hidden: int = 64, laye
         raise ValueError(arch)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
+    if sharpen != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(sharpen)
     return model.eval()
 
 
@@ -56,12 +63,12 @@ def smol_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_llama(smol_tokenizer) -> TargetModel:
     # no EOS, so every row runs to max_new_tokens and comparisons cover the whole length
-    return wrap_model(tiny_model("llama", len(smol_tokenizer), seed=0), smol_tokenizer, "tiny-llama")
+    return wrap_model(tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0), smol_tokenizer, "tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(smol_tokenizer) -> TargetModel:
-    return wrap_model(tiny_model("qwen2", len(smol_tokenizer), seed=1), smol_tokenizer, "tiny-qwen2")
+    return wrap_model(tiny_model("qwen2", len(smol_tokenizer), seed=1, sharpen=16.0), smol_tokenizer, "tiny-qwen2")
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ def test_draft_model_greedy_equals_plain_greedy(arch, batch_size, sched, draft_k
     if draft_kind == "same":
         draft = target
     else:
-        draft = wrap_model(tiny_model(arch, target.vocab_size, seed=7, hidden=32, layers=1), target.tokenizer, "other")
+        draft = wrap_model(tiny_model(arch, target.vocab_size, seed=7, hidden=32, layers=1, sharpen=16.0), target.tokenizer, "other")
     gen = DSparkGenerator(target, DraftModelDrafter(draft, target), scheduler(sched), max_batch_size=batch_size)
     results = gen.generate(prompts, max_new_tokens=20)
     assert [r.token_ids for r in results] == expected
