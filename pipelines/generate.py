@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "stop": [],
     "seed": 0,
     "skip_bad_files": False,
+    "limit_per_shard": None,
     "strip_control_chars": False,
     "truncate_prompts": False,
     "trust_remote_code": False,
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(literal braces as {{ }}); the target's chat template is applied after (default: {text})")
     io.add_argument("--keep-columns", dest="keep_columns", nargs="+", metavar="NAME",
                     help="input columns copied into generations (space or comma separated)")
+    io.add_argument("--limit-per-shard", dest="limit_per_shard", type=positive_int, metavar="N",
+                    help="process only the first N rows of each shard (smoke tests of a config)")
     io.add_argument("--skip-bad-files", dest="skip_bad_files", action=argparse.BooleanOptionalAction,
                     help="record unreadable / mismatched input files in dead_letter instead of failing")
     io.add_argument("--strip-control-chars", dest="strip_control_chars", action=argparse.BooleanOptionalAction,
@@ -403,12 +406,13 @@ def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None)
 
     from transforms.generation import build_generator
     from transforms.job import GenerateFromShards
-    from transforms.preflight import check_inputs
+    from transforms.preflight import check_inputs, limit_rows
 
     job = job_spec(options)
     check_job(options, job)
     check_remote_paths(options["runner"], {"--input": options["input"], "--output": options["output"]})
     pre = check_inputs(options["input"], job.prompt.required_columns(), skip_bad_files=job.skip_bad_files)
+    pre.shards = limit_rows(pre.shards, options["limit_per_shard"])
     for problem in pre.skipped:
         LOG.warning("Skipping %s", problem.message())
     LOG.info("Input: %d shard(s), %d row(s)%s", len(pre.shards), pre.num_rows,

@@ -162,16 +162,18 @@ def test_outputs_equal_the_engines_greedy_outputs(main_job, tiny_model):
 
 
 def test_rerun_is_deterministic_and_replaces_old_outputs(main_job, tiny_model):
-    """A second run into the same folder over fewer shards leaves only the new rows."""
+    """A second run into the same folder over fewer rows (one shard, its first 5 rows: all of its
+    first row group and one row of the second) leaves only the new rows, with the same outputs."""
     out = main_job["out"]
     before = {(g["shard"], g["id"]): g["output"] for g in read_folder(out, "generations")}
     only_a = str(main_job["root"] / "in" / "a.parquet")
-    args = base_args(tiny_model, out, only_a) + ["--prompt-template", TEMPLATE, "--keep-columns", "domain"]
+    args = base_args(tiny_model, out, only_a) + ["--prompt-template", TEMPLATE, "--keep-columns", "domain",
+                                                 "--limit-per-shard", "5"]
     cli.run(args)
     after = {(g["shard"], g["id"]): g["output"] for g in read_folder(out, "generations")}
-    assert after == {k: v for k, v in before.items() if k[0] == only_a}
+    assert after == {(only_a, f"a{i}"): before[(only_a, f"a{i}")] for i in range(5)}
     assert read_folder(out, "dead_letter") == []
-    assert [m["shard"] for m in read_folder(out, "shard_metrics")] == [only_a]
+    assert [(m["shard"], m["num_records"]) for m in read_folder(out, "shard_metrics")] == [(only_a, 5)]
 
 
 def test_multi_processing_workers_and_global_batches_give_the_same_outputs(main_job, tiny_model, tmp_path, monkeypatch):
@@ -228,11 +230,12 @@ def test_remote_runner_refuses_local_paths():
 
 @pytest.mark.embedded
 def test_no_argument_default_end_to_end(tmp_path):
-    """`python -m pipelines.generate` as shipped (embedded SmolLM2 target, bundled shards), with
-    only the output folder and a shorter generation so it stays quick on a CPU."""
+    """`python -m pipelines.generate` as shipped (embedded SmolLM2 target, bundled shards, DSpark
+    scheduler, ./out), with shorter generations and the first 2 rows of each shard so that it
+    stays quick on a shared CPU."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.generate", "--max-new-tokens", "16"],
+        [sys.executable, "-m", "pipelines.generate", "--max-new-tokens", "16", "--limit-per-shard", "2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -240,7 +243,8 @@ def test_no_argument_default_end_to_end(tmp_path):
     gens, dead = read_folder(out, "generations"), read_folder(out, "dead_letter")
     import pyarrow.parquet as pq
 
-    inputs = [r for f in sorted((REPO / "data" / "sample_shards").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    inputs = [r for f in sorted((REPO / "data" / "sample_shards").glob("*.parquet")) for r in pq.read_table(f).to_pylist()[:2]]
+    assert len(inputs) == 8
     assert sorted(g["id"] for g in gens) + sorted(d["id"] for d in dead) == sorted(r["id"] for r in inputs)
     assert dead == []
     assert all(g["output"].strip() and g["num_output_tokens"] >= 1 for g in gens)

@@ -239,6 +239,14 @@ def test_preflight_skip_bad_files_keeps_the_good_ones(tmp_path):
     ]
 
 
+def test_limit_rows_cuts_row_groups():
+    from transforms.preflight import ShardFile, limit_rows
+
+    shards = [ShardFile("a", 7, (3, 3, 1)), ShardFile("b", 2, (2,))]
+    assert limit_rows(shards, None) == shards
+    assert limit_rows(shards, 4) == [ShardFile("a", 4, (3, 1, 0)), ShardFile("b", 2, (2,))]
+
+
 # --- options and configs -----------------------------------------------------------------
 def test_default_config_file_equals_built_in_defaults():
     shipped = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())

@@ -248,7 +248,8 @@ class GenerateBatchDoFn(beam.DoFn):
                     self.truncated.inc()
                     encoded.append(shorter)
                     continue
-            dead.append(DeadLetter(row.id, row.shard, prompt_error_type(kind), clip(f"{error} [{kind}]")))
+            hint = " (--truncate-prompts cuts the text to fit instead)" if kind == "too_long" and not self.decode.truncate_prompts else ""
+            dead.append(DeadLetter(row.id, row.shard, prompt_error_type(kind), clip(f"{error}{hint} [{kind}]")))
         return encoded, dead
 
     def _generate(self, batch: list[Encoded]) -> list[Any]:

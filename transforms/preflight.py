@@ -56,6 +56,20 @@ class Preflight:
         return sum(s.num_rows for s in self.shards)
 
 
+def limit_rows(shards: list[ShardFile], per_shard: int | None) -> list[ShardFile]:
+    """The first `per_shard` rows of each shard (row groups cut accordingly); None = all."""
+    if per_shard is None:
+        return shards
+    limited = []
+    for s in shards:
+        left, groups = per_shard, []
+        for n in s.row_group_rows:
+            groups.append(min(n, left))
+            left -= groups[-1]
+        limited.append(ShardFile(s.path, sum(groups), tuple(groups)))
+    return limited
+
+
 def expand_glob(pattern: str) -> list[str]:
     """Sorted paths matching `pattern` on any Beam filesystem (local, gs://, s3://...)."""
     try:

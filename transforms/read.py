@@ -87,6 +87,9 @@ class ReadRowGroupDoFn(beam.DoFn):
                 DEAD_LETTER_TAG, DeadLetter(None, path, ErrorType.FILE_ROW_GROUP_UNREADABLE, message)
             )
             return
+        wanted = self.row_group_rows.get(path, ())
+        if index < len(wanted) and wanted[index] < table.num_rows:  # --limit-per-shard cut this group
+            table = table.slice(0, wanted[index])
         for row in table_to_rows(table, path):
             self.rows_read.inc()
             yield row
