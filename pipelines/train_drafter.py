@@ -142,6 +142,7 @@ def _readers(work: Path):
 
 def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | None, progress: bool) -> None:
     from dspark.dspark_drafter import build_model
+    from dspark.training.cache import CacheReader
     from dspark.training.trainer import TrainConfig, train
 
     readers = _readers(work)
@@ -158,7 +159,13 @@ def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | No
     if "eval" in readers:
         evals["eval"] = (readers["eval"], list(range(len(readers["eval"].rows))))
     evals["train"] = (rd, list(range(0, n_train, max(1, n_train // 64))))
-    counters = train(model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline)
+    def refresh():  # shards written since (generation still running) join the next epoch
+        r = CacheReader(work / "cache" / "train")
+        return r, list(range(len(r.rows)))
+
+    counters = train(
+        model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline, refresh=refresh
+    )
     log(f"train: step {counters['step']}, wall {counters['wall_s']:.0f}s, cpu {counters['cpu_s'] / 3600:.2f} h, peak RSS {counters.get('peak_rss_mb', 0):.0f} MB")
 
 

@@ -263,8 +263,11 @@ def train(
     log: Callable[[str], None] = print,
     progress: bool = True,
     deadline: float | None = None,
+    refresh: Callable[[], tuple[CacheReader, list[int]]] | None = None,
 ) -> dict:
-    """Train to cfg.steps (resuming from state_dir); returns the counters (history, costs)."""
+    """Train to cfg.steps (resuming from state_dir); returns the counters (history, costs).
+    `refresh`, if given, is called at every epoch boundary for a new (reader, rows): a cache
+    that is still growing (generation running alongside) joins the next epoch."""
     torch.manual_seed(cfg.seed)
     g, n = model.cfg.gamma, model.cfg.context_len
     params = [p for p in model.parameters() if p.requires_grad]
@@ -303,6 +306,10 @@ def train(
         if counters["batch_in_epoch"] >= len(plan):
             counters["epoch"] += 1
             counters["batch_in_epoch"] = 0
+            if refresh is not None:
+                reader, train_rows = refresh()
+                pool = ShardPool(reader, cfg.shard_window)
+                log(f"epoch {counters['epoch']}: {len(train_rows)} sequences, {reader.num_positions()} positions")
             plan = epoch_plan(reader, train_rows, g, cfg, counters["epoch"])
         items = plan[counters["batch_in_epoch"]]
         batch = load_batch(pool, items, g, n)
