@@ -1,0 +1,167 @@
+"""Model loading, prompt validation, the KV cache's bookkeeping, metrics and the evaluate CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.drafters.ngram import NgramDrafter
+from dspark.generator import DSparkGenerator, PromptError
+from dspark.metrics import RequestStats, aggregate
+from dspark.models import load_model, resolve_model_dir
+from dspark.runner import ModelRunner
+from tests.conftest import tiny_model
+
+
+def test_unknown_model_is_an_error_not_a_download(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_pickle_only_checkpoints_are_refused(tmp_path, tiny_llama):
+    tiny_llama.model.config.save_pretrained(tmp_path)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors or GGUF only"):
+        load_model(str(tmp_path), dtype="float32")
+
+
+def test_local_hf_directory_loads_with_its_tokenizer(tmp_path, tiny_llama):
+    tiny_llama.model.save_pretrained(tmp_path, safe_serialization=True)
+    tiny_llama.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert loaded.vocab_size == tiny_llama.vocab_size
+    assert loaded.tokenizer_hash() == tiny_llama.tokenizer_hash()
+    x = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(x).logits, tiny_llama.model(x).logits, atol=1e-5)
+
+
+def test_prompt_validation_errors_are_clear(tiny_llama):
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:2")
+    for bad, kind in [("", "empty_prompt"), ("   ", "empty_prompt"), (None, "empty_prompt"), ([], "empty_prompt"),
+                      (3.5, "bad_type"), ([10**9], "bad_token_id")]:
+        with pytest.raises(PromptError) as err:
+            gen.encode(bad)
+        assert err.value.kind == kind
+    too_long = list(range(10, 10 + tiny_llama.max_context))
+    with pytest.raises(PromptError, match="at most") as err:
+        gen.generate([[5, 6], too_long], max_new_tokens=8)
+    assert err.value.kind == "too_long" and "prompt 1" in str(err.value)
+    with pytest.raises(ValueError):
+        gen.generate(["hi"], max_new_tokens=0)
+    with pytest.raises(ValueError):
+        gen.generate(["hi"], temperature=-1.0)
+    with pytest.raises(TypeError):
+        gen.generate("a bare string")
+
+
+def test_truncation_policy_keeps_the_tail(tiny_llama):
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:2", truncation="left")
+    too_long = list(range(10, 10 + tiny_llama.max_context))
+    [result] = gen.generate([too_long], max_new_tokens=4)
+    assert result.truncated and result.num_prompt_tokens < len(too_long)
+    assert result.num_output_tokens == 4
+
+
+def test_stop_strings_cut_the_text(tiny_llama):
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:3")
+    [free] = gen.generate([[20, 21, 22, 20, 21]], max_new_tokens=12)
+    stop = free.text[len(free.text) // 2 :][:3]
+    if not stop.strip():
+        pytest.fail("test prompt produced no usable text")
+    [cut] = gen.generate([[20, 21, 22, 20, 21]], max_new_tokens=12, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and free.text.startswith(cut.text)
+
+
+def test_finished_rows_free_their_cache_rows(tiny_llama):
+    gen = DSparkGenerator(tiny_llama, NgramDrafter(), "fixed:3", max_batch_size=4)
+    from dspark.engine import Request, SpeculativeEngine
+
+    engine = SpeculativeEngine(tiny_llama, gen.drafter, gen.scheduler, max_batch_size=4)
+    reqs = [Request(i, [30 + i, 31, 32, 30 + i, 31], max_new_tokens=3 + 4 * i) for i in range(6)]
+    sizes = []
+    engine.run(reqs, on_finish=lambda r: sizes.append(engine.runner.cache.batch_size))
+    assert engine.runner.cache.batch_size == 0
+    assert engine.runner.cache.layers[0].length == 0
+    assert all(r.finish_reason == "length" and len(r.output_ids) == r.max_new_tokens for r in reqs)
+
+
+def test_slot_cache_rows_advance_independently():
+    """Ragged commits, tree blocks, row removal and compaction reproduce full-sequence logits."""
+    model = tiny_model("llama", 100, seed=5)
+    runner = ModelRunner(model)
+
+    def full(seq):
+        with torch.no_grad():
+            return model(torch.tensor([seq])).logits[0]
+
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    fresh, _ = runner.prefill([p[:-1] for p in prompts])
+    runner.cache.append_rows(fresh)
+    out = runner.forward_block([([5, 20, 21, 22], [-1, 0, 1, 2]), ([8, 30, 31, 32], [-1, 0, 0, 1]), ([16], [-1])])
+    assert torch.allclose(out.logits[0, :4], full([1, 2, 3, 4, 5, 20, 21, 22])[4:8], atol=1e-5)
+    assert torch.allclose(out.logits[1, 2], full([7, 8, 31])[2], atol=1e-5)  # a sibling branch
+    assert torch.allclose(out.logits[1, 3], full([7, 8, 30, 32])[3], atol=1e-5)
+    runner.cache.commit([[0, 1, 2], [0, 2], [0]])  # row 1 keeps the second sibling
+    out = runner.forward_block([([22, 40], [-1, 0]), ([50], [-1]), ([60, 61], [-1, 0])])
+    assert torch.allclose(out.logits[1, 0], full([7, 8, 31, 50])[3], atol=1e-5)
+    runner.cache.commit([[0, 1], [0], [0, 1]])
+    runner.cache.select_rows([2, 0])
+    runner.cache.maybe_compact(force=True)
+    assert runner.cache.lengths.tolist() == [10, 9]
+    out = runner.forward_block([([70], [-1]), ([71], [-1])])
+    assert torch.allclose(out.logits[0, 0], full(prompts[2] + [60, 61, 70])[-1], atol=1e-5)
+    assert torch.allclose(out.logits[1, 0], full([1, 2, 3, 4, 5, 20, 21, 22, 40, 71])[-1], atol=1e-5)
+
+
+def test_round_statistics():
+    s = RequestStats()
+    s.record_round(drafted=4, verified_depths=[1, 2, 3], accepted_depth=2, confidences=[0.9, 0.8, 0.5])
+    s.record_round(drafted=4, verified_depths=[1, 2], accepted_depth=0, confidences=[0.4, 0.3])
+    assert (s.verified, s.accepted, s.rejected, s.rounds) == (5, 2, 3, 2)
+    assert s.mean_accepted_length == (3 + 1) / 2
+    assert s.acceptance_rate == 2 / 5 and s.correction_rate == 3 / 5
+    assert s.position_attempts == [2, 1, 1] and s.position_accepts == [1, 1, 0]
+    total = aggregate([s, s])
+    assert total.verified == 10 and total.conditional_acceptance == [0.5, 1.0, 0.0]
+    assert 0 < s.confidence_entropy < 1
+
+
+def test_evaluate_cli_writes_the_contract(tmp_path, tiny_llama, monkeypatch):
+    """A tiny end-to-end run of pipelines.evaluate, numbers recomputed from outputs.jsonl."""
+    from pipelines import evaluate
+
+    tiny_llama.model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    tiny_llama.tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    with prompts.open("w") as f:
+        for i in range(5):
+            f.write(json.dumps({"id": f"p{i}", "domain": "math" if i % 2 else "chat", "turns": [f"w{i} w{i} hello {i}"]}) + "\n")
+    out = tmp_path / "out"
+    rc = evaluate.main([
+        "--prompts", str(prompts), "--out", str(out), "--methods", "hf,hf-pld,ar,fixed:3@ngram,dspark@ngram",
+        "--batch-sizes", "1,2", "--max-new-tokens", "6", "--target", str(tmp_path / "model"), "--dtype", "float32",
+    ])
+    assert rc == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert {(r["method"], r["batch_size"]) for r in runs} == {
+        (m, b) for m in ("hf", "ar", "fixed:3@ngram", "dspark@ngram") for b in (1, 2)
+    } | {("hf-pld", 1)}
+    for run in runs:
+        mine = [o for o in outputs if o["method"] == run["method"] and o["batch_size"] == run["batch_size"]]
+        hf = {o["prompt_id"]: o["token_ids"] for o in outputs if o["method"] == "hf" and o["batch_size"] == run["batch_size"]}
+        assert run["num_prompts"] == len(mine) == 5
+        assert run["output_tokens"] == sum(o["num_output_tokens"] for o in mine)
+        assert run["identical_to_hf"] == sum(o["token_ids"] == hf[o["prompt_id"]] for o in mine) / 5
+        assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+        assert set(run["by_category"]) == {"math", "chat"}
+        if run["method"] in ("ar", "fixed:3@ngram", "dspark@ngram"):
+            assert run["identical_to_hf"] == 1.0  # fp32: lossless
+            verified = sum(o["stats"]["verified"] for o in mine)
+            accepted = sum(o["stats"]["accepted"] for o in mine)
+            if verified:
+                assert run["acceptance_rate"] == pytest.approx(accepted / verified)
