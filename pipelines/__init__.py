@@ -1,1 +1,1 @@
-"""Thin entry points: `python -m pipelines.generate` (the Beam batch job) and its benchmark."""
+"""Thin command-line entry points (`python -m pipelines.<name>`); the work is in `transforms/` and `dspark/`."""
