@@ -281,6 +281,7 @@ def train(
     counters = load_state(state_dir, model, opt) or {
         "step": 0, "epoch": 0, "batch_in_epoch": 0, "wall_s": 0.0, "cpu_s": 0.0, "history": [], "config": asdict(cfg)
     }
+    counters["config"] = asdict(cfg)  # the schedule in force (a resume may change steps)
     if counters["step"]:
         log(f"resumed at step {counters['step']} (epoch {counters['epoch']}, batch {counters['batch_in_epoch']})")
     model.train()
