@@ -42,6 +42,7 @@ class TrainConfig:
     eval_every: int = 200
     eval_stride: int = 4
     eval_max_blocks: int = 1500
+    log_every: int = 25
     autocast_bf16: bool = True
     weights: LossWeights = field(default_factory=LossWeights)
 
@@ -331,6 +332,9 @@ def train(
         bar.update(1)
         bar.set_postfix(loss=f"{run_loss[0]:.3f}", ce=f"{run_loss[1]:.2f}", tv=f"{run_loss[2]:.3f}")
         step = counters["step"]
+        if not progress and step % cfg.log_every == 0:  # background runs: a plain log line instead of a bar
+            log(f"step {step}/{cfg.steps} loss {run_loss[0]:.4f} (ce {run_loss[1]:.3f} tv {run_loss[2]:.4f} conf {run_loss[3]:.4f}) "
+                f"lr {lr_at(step - 1, cfg):.2e} epoch {counters['epoch']} {time.time() - t_wall:.0f}s")
         if eval_sets and (step % cfg.eval_every == 0 or step == cfg.steps):
             rec = {"step": step, "loss": run_loss, "epoch": counters["epoch"]}
             for name, (rd, rows) in eval_sets.items():
