@@ -105,25 +105,30 @@ class DSparkDrafter(DrafterBase):
         ctx, valid = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
         out = self.model.forward_block(ctx, valid, anchors, depth)
-        return [self._tree(r, out.base_logits[b, :depth], out.conf_h[b, :depth], depth) for b, r in enumerate(requests)]
+        trees = [DraftTree() for _ in requests]
+        greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
+        if greedy:
+            self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], out.base_logits[greedy], out.conf_h[greedy], depth)
+        for b, r in enumerate(requests):
+            if not r.sampling.greedy:
+                trees[b] = self._sampled_chain(r, out.base_logits[b], out.conf_h[b], depth)
+        return trees
 
-    def _step(self, base_logits: torch.Tensor, conf_h: torch.Tensor, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Markov step for parents `prev` [n] at depth k (0-based) -> logits [n, V], confidences [n]."""
+    def _step(self, base_logits: torch.Tensor, conf_h: torch.Tensor, rows: torch.Tensor, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Markov step at depth k (0-based) for n parents: rows [n] index the batch, prev [n]
+        are the parents' tokens -> logits [n, V], calibrated confidences [n]. One call per
+        depth for the whole batch: W2 is read once (the step is memory-bound)."""
         feat = self.model.markov_features(prev)
-        logits = base_logits[k][None, :] + self.model.markov_bias(feat)
-        z = self.model.conf_logit(conf_h[k].expand(prev.shape[0]), feat)
+        logits = base_logits[rows, k] + self.model.markov_bias(feat)
+        z = self.model.conf_logit(conf_h[rows, k], feat)
         return logits, torch.sigmoid(z / float(self.temperatures[k]))
-
-    def _tree(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> DraftTree:
-        if request.sampling.greedy:
-            return self._greedy_tree(request, base_logits, conf_h, depth)
-        return self._sampled_chain(request, base_logits, conf_h, depth)
 
     def _sampled_chain(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> DraftTree:
         tree = DraftTree()
         prev, parent = request.token_ids[-1], -1
+        row = torch.zeros(1, dtype=torch.long, device=self.device)
         for k in range(depth):
-            logits, c = self._step(base_logits, conf_h, k, torch.tensor([prev], device=self.device))
+            logits, c = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device))
             q = probs_from_logits(logits[0], request.sampling).cpu()
             gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
             tok = int(torch.multinomial(q, 1, generator=gen))
@@ -133,38 +138,38 @@ class DSparkDrafter(DrafterBase):
                 break
         return tree
 
-    def _greedy_tree(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> DraftTree:
+    def _greedy_trees(self, requests: list[DraftRequest], trees: list[DraftTree], base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> None:
+        """Depth-synchronous greedy trees for a batch. A frontier entry is
+        (row, parent node, parent token, extension steps left; -1 = the main chain)."""
         opt = self.options
-        tree = DraftTree()
-        prev, parent = request.token_ids[-1], -1
         width = max(1, opt.branch_width)
+        frontier = [(b, -1, r.token_ids[-1], -1) for b, r in enumerate(requests)]
         for k in range(depth):
-            if len(tree) >= opt.max_nodes:
-                break
-            logits, c = self._step(base_logits, conf_h, k, torch.tensor([prev], device=self.device))
-            probs = torch.softmax(logits[0], dim=-1)
-            top_p, top_i = torch.topk(probs, width)
-            c_k = float(c[0])
-            main = tree.add(int(top_i[0]), parent, c_k)
-            if width > 1 and float(top_p[1]) >= opt.branch_ratio * float(top_p[0]):
-                miss = (1.0 - c_k) / max(1e-6, 1.0 - float(top_p[0]))
-                for j in range(1, width):
-                    if len(tree) >= opt.max_nodes:
-                        break
-                    sib = tree.add(int(top_i[j]), parent, min(c_k, miss * float(top_p[j])))
-                    self._extend(tree, sib, int(top_i[j]), base_logits, conf_h, k + 1, min(depth, k + 1 + opt.branch_extend))
-            if opt.stop_at_eos and int(top_i[0]) in self.eos:
-                break
-            prev, parent = int(top_i[0]), main
-        return tree
-
-    def _extend(self, tree: DraftTree, node: int, token: int, base_logits, conf_h, k0: int, k1: int) -> None:
-        """Greedy continuation below `node` for depths k0..k1-1 (0-based)."""
-        parent, prev = node, token
-        for k in range(k0, k1):
-            if len(tree) >= self.options.max_nodes or (self.options.stop_at_eos and prev in self.eos):
+            frontier = [f for f in frontier if len(trees[f[0]]) < opt.max_nodes and not (opt.stop_at_eos and f[2] in self.eos and f[1] >= 0)]
+            if not frontier:
                 return
-            logits, c = self._step(base_logits, conf_h, k, torch.tensor([prev], device=self.device))
-            tok = int(logits[0].argmax())
-            parent = tree.add(tok, parent, float(c[0]))
-            prev = tok
+            rows = torch.tensor([f[0] for f in frontier], dtype=torch.long, device=self.device)
+            prev = torch.tensor([f[2] for f in frontier], dtype=torch.long, device=self.device)
+            logits, conf = self._step(base_logits, conf_h, rows, k, prev)
+            logp = torch.log_softmax(logits, dim=-1)
+            top_lp, top_i = torch.topk(logp, width, dim=-1)
+            top_p, top_i, conf = top_lp.exp().tolist(), top_i.tolist(), conf.tolist()
+            nxt = []
+            for (b, parent, _, left), tp, ti, c in zip(frontier, top_p, top_i, conf):
+                tree = trees[b]
+                if len(tree) >= opt.max_nodes:
+                    continue
+                node = tree.add(ti[0], parent, c)
+                if left < 0:  # main chain: continue, and branch where the top choices are close
+                    nxt.append((b, node, ti[0], -1))
+                    if width > 1 and tp[1] >= opt.branch_ratio * tp[0]:
+                        miss = (1.0 - c) / max(1e-6, 1.0 - tp[0])
+                        for j in range(1, width):
+                            if len(tree) >= opt.max_nodes:
+                                break
+                            sib = tree.add(ti[j], parent, min(c, miss * tp[j]))
+                            if opt.branch_extend > 0:
+                                nxt.append((b, sib, ti[j], opt.branch_extend))
+                elif left > 1:
+                    nxt.append((b, node, ti[0], left - 1))
+            frontier = nxt
