@@ -185,3 +185,14 @@ def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
     (tree,) = drafter.propose([req], 4)
     assert tree.tokens == toks[0].tolist()
     assert tree.confidence == pytest.approx(torch.sigmoid(conf[0]).tolist(), abs=1e-4)
+
+
+def test_threshold_sweep_counts_verified_prefix():
+    from pipelines.drafter_report import threshold_sweep
+
+    accepted = np.array([[1, 1, 0], [0, 1, 1]], dtype=float)
+    conf = np.array([[0.9, 0.6, 0.3], [0.8, 0.8, 0.8]])
+    tps, rate, ver = threshold_sweep(accepted, conf, np.array([0.0, 0.5, 0.7]))
+    # t=0: all 3 verified per row; accepted prefixes 2 and 0 -> tokens/step 1 + 1 = 2
+    assert tps.tolist() == [2.0, 2.0, 1.5] and ver.tolist() == [3.0, 2.5, 2.0]
+    assert rate.tolist() == pytest.approx([2 / 6, 2 / 5, 1 / 4])
