@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", default=None, help="only prompts of these categories/domains (comma-separated)")
     p.add_argument("--config", default=None, help="YAML file whose keys are these flags (flags override it)")
     p.add_argument("--target", default=None, help="smollm2-135m-instruct (embedded), a model directory or a .gguf file")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"], help="default: auto (bfloat16)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"], help="default: auto (bfloat16 on GPUs and bf16-capable CPUs, else float32)")
     p.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--default-drafter", default=None, help="drafter for methods without @DRAFTER (default: ngram)")
     return p

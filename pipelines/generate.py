@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--scheduler", metavar="NAME",
                        help="verification scheduler: dspark[:MAX_DEPTH], ar (no speculation), fixed:K, threshold:T, util "
                        "(default: dspark)")
-    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="model dtype (auto = bfloat16)")
+    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="model dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32)")
     model.add_argument("--device", metavar="DEVICE", help="auto (cuda when available), cpu, cuda, cuda:1 ...")
     model.add_argument("--batch-size", dest="batch_size", type=positive_int, metavar="N",
                        help="rows the engine decodes together (continuous batching; default: 16)")
