@@ -89,21 +89,22 @@ class STSResult:
 
 
 def sequential_temperature_scaling(
-    conf_logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT_GRID, bins: int = 15
+    conf_logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT_GRID, bins: int = 15, tol: float = 5e-4
 ) -> STSResult:
     """For k = 1..G in order, choose T_k on `grid` minimising the ECE of a_k (positions < k
-    fixed). Positive temperatures keep each c_k's order, so rankings within a position hold."""
+    fixed). Positive temperatures keep each c_k's order, so rankings within a position hold.
+    Where the ECE is flat (deep positions: a_k is almost always ~0, few positives) any T fits
+    equally well; among temperatures within `tol` of the minimum, the one closest to 1 wins,
+    so sparse evidence does not produce extreme temperatures."""
     conf_logits = np.asarray(conf_logits, dtype=np.float64)
     labels = prefix_accepted(accepted)
     g = conf_logits.shape[1]
     temps = np.ones(g)
     prev = np.ones(conf_logits.shape[0])  # a_{k-1} under the chosen temperatures
     for k in range(g):
-        best_t, best_e = 1.0, float("inf")
-        for t in grid:
-            e = ece(prev * sigmoid(conf_logits[:, k] / t), labels[:, k], bins)
-            if e < best_e - 1e-12:
-                best_t, best_e = float(t), e
+        errs = np.array([ece(prev * sigmoid(conf_logits[:, k] / t), labels[:, k], bins) for t in grid])
+        ok = np.flatnonzero(errs <= errs.min() + tol)
+        best_t = float(grid[ok[np.argmin(np.abs(np.log(grid[ok])))]])
         temps[k] = best_t
         prev = prev * sigmoid(conf_logits[:, k] / best_t)
     before, after = survival(conf_logits), survival(conf_logits, temps)
