@@ -323,3 +323,18 @@ def test_plugin_without_prompt_hidden_still_drafts(target):
     drafter.start(req, None)
     (tree,) = drafter.propose([req], 3)
     assert len(tree) >= 3
+
+
+@pytest.mark.embedded
+def test_shipped_checkpoint_loads_for_the_embedded_target(embedded_fp32):
+    from dspark.drafters import make_drafter
+
+    drafter = make_drafter("dspark", embedded_fp32)  # the registry name resolves to the shipped checkpoint
+    assert isinstance(drafter, DSparkDrafter) and drafter.cfg.vocab_size == embedded_fp32.vocab_size
+    ids = embedded_fp32.encode("What is 2 + 2?")
+    req = DraftRequest(0, ids, SamplingParams())
+    layers = [torch.zeros(len(ids) - 1, drafter.cfg.target_hidden_size) for _ in drafter.target_layers]
+    drafter.start(req, layers)
+    (tree,) = drafter.propose([req], 7)
+    tree.validate(embedded_fp32.vocab_size)
+    assert 1 <= tree.max_depth() <= 7
