@@ -25,6 +25,7 @@ from test_pipeline import base_args, sentence  # noqa: E402
 from test_pipeline_support import TINY_NAME, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
 
 from pipelines import generate as cli  # noqa: E402
+from dspark.generator import DSparkGenerator  # noqa: E402
 from transforms.generation import build_generator  # noqa: E402
 from transforms.preflight import BadInputError  # noqa: E402
 from transforms.schema import ErrorType  # noqa: E402
@@ -40,31 +41,30 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 # --- fault injection ---------------------------------------------------------------------
-class PoisonedGenerator:
+class PoisonedGenerator(DSparkGenerator):
     """The real engine, except that any call containing a POISON prompt raises, as a crash
-    inside the engine on that row would, and any call containing an OOMROW prompt runs out of
-    accelerator memory (the pipeline's no-speculation fallback is a plain engine: it works)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.target = inner.target
-
-    def encode(self, *args, **kwargs):
-        return self.inner.encode(*args, **kwargs)
+    inside the engine on that row would, and any speculative call containing an OOMROW prompt
+    runs out of accelerator memory (without speculation it fits)."""
 
     def generate(self, prompts, **kwargs):
         texts = [self.target.tokenizer.decode(p) for p in prompts]
         if any(POISON in t for t in texts):
             raise RuntimeError(f"injected fault on a batch of {len(prompts)}")
-        if any(OOM in t for t in texts):
+        if self.scheduler.max_depth > 0 and any(OOM in t for t in texts):
             import torch
 
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return self.inner.generate(prompts, **kwargs)
+        return super().generate(prompts, **kwargs)
+
+
+def rebuilt_as(cls, spec):
+    """The real generator for `spec`, as an instance of the fault-injecting subclass `cls`."""
+    real = build_generator(spec)
+    return cls(real.target, real.drafter, real.scheduler, max_batch_size=real.max_batch_size)
 
 
 def poisoned_factory(spec):
-    return PoisonedGenerator(build_generator(spec))
+    return rebuilt_as(PoisonedGenerator, spec)
 
 
 def never_load(spec):
@@ -120,8 +120,6 @@ def test_bad_rows_go_to_dead_letter_and_the_batch_completes(tiny_model, tmp_path
     assert "U+0000" in dead["nul"]["error"] and "384" in dead["toolong"]["error"]
 
     # The rest of the poisoned batch completed, with the outputs the engine gives without the poison.
-    from dspark.generator import DSparkGenerator
-
     gens = {(g["id"], g["output"]) for g in read_folder(out, "generations")}
     generated_ids = collections.Counter(i for i, _ in gens)
     assert generated_ids == collections.Counter(["good0", "good1", "good1", "good2", "good3", "repeated", "shuffled", "oom"])
@@ -133,7 +131,8 @@ def test_bad_rows_go_to_dead_letter_and_the_batch_completes(tiny_model, tmp_path
     metrics = read_folder(out, "shard_metrics")[0]
     assert (metrics["num_records"], metrics["num_ok"], metrics["num_failed"], metrics["num_duplicate_ids"]) == (18, 8, 10, 1)
     assert summary["beam_counters"]["dspark.batch_splits_after_error"] >= 1
-    assert summary["beam_counters"]["dspark.rows_retried_without_speculation"] == 1
+    assert summary["beam_counters"]["dspark.rows_retried_without_speculation"] >= 1
+    assert summary["beam_counters"]["dspark.oom_batch_halvings"] >= 1
     oom_row = next(g for g in read_folder(out, "generations") if g["id"] == "oom")
     assert oom_row["mean_accepted_length"] == pytest.approx(1.0)
     assert summary["totals"]["dead_letter_by_error_type"][ErrorType.EMPTY_TEXT] == 2
@@ -147,6 +146,57 @@ def test_non_string_text_column(tiny_model, tmp_path):
         ("x", ErrorType.NON_STRING_TEXT), ("y", ErrorType.NULL_TEXT)
     ]
     assert read_folder(out, "generations") == []
+
+
+class OutOfMemoryAtWidth(DSparkGenerator):
+    """The real engine, running out of accelerator memory whenever more than 2 rows decode
+    together while speculating, and on any HUGE prompt whatever the settings."""
+
+    def generate(self, prompts, **kwargs):
+        import torch
+
+        width = min(self.max_batch_size, len(prompts))
+        huge = any(HUGE in self.target.tokenizer.decode(p) for p in prompts)
+        if huge or (self.scheduler.max_depth > 0 and width > 2):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected at {width} rows)")
+        return super().generate(prompts, **kwargs)
+
+
+HUGE = "HUGEROW"
+
+
+def oom_factory(spec):
+    return rebuilt_as(OutOfMemoryAtWidth, spec)
+
+
+def test_out_of_memory_halves_the_batch_then_drops_speculation_then_dead_letters(tiny_model, tmp_path):
+    """Shard a: 6 rows run out of memory at 4 rows decoding together and complete at 2. Shard b:
+    its HUGE row runs out of memory at every width: 4 -> 2 -> 1 -> no speculation, the other
+    rows complete without speculation, and the HUGE row goes to dead_letter as out_of_memory."""
+    a = write_shard(tmp_path / "a.parquet", [{"id": f"a{i}", "text": sentence(400 + i)} for i in range(6)])
+    b = write_shard(tmp_path / "b.parquet", [{"id": f"b{i}", "text": sentence(500 + i)} for i in range(3)]
+                    + [{"id": "huge", "text": f"{HUGE} {sentence(9)}"}])
+    out = tmp_path / "out"
+    summary = cli.run(base_args(tiny_model, out, str(tmp_path / "*.parquet")) + ["--rows-per-call", "32"],
+                      generator_factory=oom_factory)
+
+    dead = read_folder(out, "dead_letter")
+    assert [(d["id"], d["error_type"]) for d in dead] == [("huge", ErrorType.OUT_OF_MEMORY)]
+    assert "out of memory" in dead[0]["error"]
+    counters = summary["beam_counters"]
+    assert counters["dspark.oom_batch_halvings"] == 1 + 2  # a: 4 -> 2; b: 4 -> 2 -> 1
+    assert counters["dspark.rows_retried_without_speculation"] == 4  # all of b's call
+    gens = {g["id"]: g for g in read_folder(out, "generations")}
+    assert set(gens) == {f"a{i}" for i in range(6)} | {f"b{i}" for i in range(3)}
+    assert all(gens[f"b{i}"]["mean_accepted_length"] == pytest.approx(1.0) for i in range(3))
+    # the retries change nothing in the outputs (greedy decoding is lossless)
+    engine = DSparkGenerator.from_names(str(tiny_model), drafter="ngram", scheduler="dspark", dtype="float32", max_batch_size=4)
+    ids = [*(f"a{i}" for i in range(6)), *(f"b{i}" for i in range(3))]
+    texts = [sentence(400 + i) for i in range(6)] + [sentence(500 + i) for i in range(3)]
+    assert [r.text for r in engine.generate(texts, max_new_tokens=6)] == [gens[i]["output"] for i in ids]
+    metrics = {Path(m["shard"]).name: m for m in read_folder(out, "shard_metrics")}
+    assert (metrics["b.parquet"]["num_ok"], metrics["b.parquet"]["num_failed"]) == (3, 1)
+    assert str(a) in {m["shard"] for m in metrics.values()} and str(b) in {m["shard"] for m in metrics.values()}
 
 
 # --- file level --------------------------------------------------------------------------

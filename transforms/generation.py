@@ -6,12 +6,15 @@ copy; calls into it are serialised by a lock because the engine keeps per-call s
 
 Each element is a list of PromptRows (one shard's with --batch-scope shard, any shards' with
 global): one engine call generates the whole list with continuous batching (`--batch-size`
-rows decode together). If the call raises,
-the list is split in halves and each half retried, down to single rows; a row that still fails
-alone goes to the dead letter, so one bad row costs O(log n) extra calls and the rest of the
-batch completes. A CUDA out-of-memory error empties the allocator cache before the split
-(halving is what a smaller batch needs), and a single row that still runs out of memory is
-tried once more without speculation before it goes to the dead letter.
+rows decode together). Failures are handled per call (`call_with_fallbacks`):
+
+  - any error but out-of-memory: the list is split in halves and each half retried, down to
+    single rows; a row that still fails alone goes to the dead letter (`generation_error`), so
+    one bad row costs O(log n) extra calls and the rest of the batch completes;
+  - out of accelerator memory: the allocator cache is emptied and the same rows are retried
+    with half as many rows decoding together (16 -> 8 -> ... -> 1), then, still out of memory
+    at one row, without speculation (no draft tokens to hold or verify); rows that run out of
+    memory even then are isolated by halving and go to the dead letter (`out_of_memory`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -108,36 +112,74 @@ def checked_call(call: Callable[[list[T]], Sequence[R]], items: list[T]) -> list
     return results
 
 
-def call_isolating_failures(
-    call: Callable[[list[T]], Sequence[R]],
+@dataclass(frozen=True)
+class Attempt:
+    """How one engine call runs: rows decoding together, and whether to speculate."""
+
+    batch_size: int
+    speculate: bool = True
+
+
+def after_out_of_memory(attempt: Attempt) -> Attempt | None:
+    """The next, smaller attempt after running out of memory: half the rows decoding together,
+    then (at one row) no speculation; None when nothing smaller is left."""
+    if attempt.speculate and attempt.batch_size > 1:
+        return Attempt(attempt.batch_size // 2, True)
+    if attempt.speculate:
+        return Attempt(1, False)
+    return None
+
+
+# on_retry(kind, rows, next attempt, error): kind is "split", "halve_batch" or "no_speculation"
+RetryHook = Callable[[str, int, Attempt, BaseException], None]
+
+
+def call_with_fallbacks(
+    call: Callable[[list[T], Attempt], Sequence[R]],
     items: list[T],
-    on_split: Callable[[int, BaseException], None] | None = None,
-    oom_fallback: Callable[[list[T]], Sequence[R]] | None = None,
+    attempt: Attempt,
+    on_retry: RetryHook | None = None,
 ) -> list[R | Exception]:
-    """`call(items)`, and on an exception retry each half, recursively. Returns one result per
-    item in order; an item that fails on its own gets its exception instead of a result. A
-    single item that still runs out of memory gets one more try through `oom_fallback`
-    (generation without speculation: no draft tokens to verify, the smallest footprint)."""
+    """`call(items, attempt)` with the module docstring's fallbacks. Returns one result per item,
+    in order; an item that fails on its own gets its exception instead of a result."""
     if not items:
         return []
+    # the rows decoding together can never exceed the rows in the call: halving must bite
+    attempt = Attempt(min(attempt.batch_size, len(items)), attempt.speculate)
     try:
-        return checked_call(call, items)
+        return checked_call(lambda part: call(part, attempt), items)
     except Exception as exc:
         if is_out_of_memory(exc):
             free_accelerator_cache()
+            smaller = after_out_of_memory(attempt)
+            if smaller is not None:
+                if on_retry is not None:
+                    on_retry("halve_batch" if smaller.speculate else "no_speculation", len(items), smaller, exc)
+                return call_with_fallbacks(call, items, smaller, on_retry)
         if len(items) == 1:
-            if oom_fallback is None or not is_out_of_memory(exc):
-                return [exc]
-            try:
-                return checked_call(oom_fallback, items)
-            except Exception as fallback_exc:
-                return [fallback_exc]
-        if on_split is not None:
-            on_split(len(items), exc)
+            return [exc]
+        if on_retry is not None:
+            on_retry("split", len(items), attempt, exc)
         middle = len(items) // 2
-        return call_isolating_failures(call, items[:middle], on_split, oom_fallback) + call_isolating_failures(
-            call, items[middle:], on_split, oom_fallback
+        return call_with_fallbacks(call, items[:middle], attempt, on_retry) + call_with_fallbacks(
+            call, items[middle:], attempt, on_retry
         )
+
+
+def failure_error_type(exc: BaseException) -> str:
+    return ErrorType.OUT_OF_MEMORY if is_out_of_memory(exc) else ErrorType.GENERATION_ERROR
+
+
+@contextmanager
+def decode_batch_size(generator: Any, batch_size: int) -> Iterator[None]:
+    """Let at most `batch_size` rows decode together in this call (the generator's continuous
+    batching width, restored afterwards; callers hold the generator's lock)."""
+    before = generator.max_batch_size
+    generator.max_batch_size = min(before, batch_size)
+    try:
+        yield
+    finally:
+        generator.max_batch_size = before
 
 
 def spec_stats(stats: Any) -> SpecStats:
@@ -211,6 +253,7 @@ class GenerateBatchDoFn(beam.DoFn):
         self.engine_calls = Metrics.counter("dspark", "engine_calls")
         self.batch_splits = Metrics.counter("dspark", "batch_splits_after_error")
         self.truncated = Metrics.counter("dspark", "prompts_truncated")
+        self.oom_halvings = Metrics.counter("dspark", "oom_batch_halvings")
         self.oom_fallbacks = Metrics.counter("dspark", "rows_retried_without_speculation")
         self.call_seconds = Metrics.distribution("dspark", "engine_call_ms")
         # summed speculation counters: run_summary.json derives the job's ratios from them
@@ -255,31 +298,35 @@ class GenerateBatchDoFn(beam.DoFn):
     def _generate(self, batch: list[Encoded]) -> list[Any]:
         d = self.decode
 
-        def call(part: list[Encoded], generator=None):
+        def call(part: list[Encoded], attempt: Attempt):
             self.engine_calls.inc()
             with self._holder.lock:
-                return (generator or self._holder.generator).generate(
-                    [e.ids for e in part],
-                    max_new_tokens=d.max_new_tokens,
-                    temperature=d.temperature,
-                    top_k=d.top_k,
-                    top_p=d.top_p,
-                    stop=list(d.stop) or None,
-                    seed=d.seed,
-                    chat=d.chat,
-                    progress=d.progress,
-                )
+                generator = self._holder.generator if attempt.speculate else self._holder.no_speculation()
+                with decode_batch_size(generator, attempt.batch_size):
+                    return generator.generate(
+                        [e.ids for e in part],
+                        max_new_tokens=d.max_new_tokens,
+                        temperature=d.temperature,
+                        top_k=d.top_k,
+                        top_p=d.top_p,
+                        stop=list(d.stop) or None,
+                        seed=d.seed,
+                        chat=d.chat,
+                        progress=d.progress,
+                    )
 
-        def on_split(size: int, exc: BaseException) -> None:
-            self.batch_splits.inc()
-            LOG.warning("Engine call on %d rows failed (%s: %s); retrying in halves", size, type(exc).__name__, exc)
+        def on_retry(kind: str, size: int, attempt: Attempt, exc: BaseException) -> None:
+            if kind == "split":
+                self.batch_splits.inc()
+                LOG.warning("Engine call on %d rows failed (%s: %s); retrying in halves", size, type(exc).__name__, exc)
+            elif kind == "halve_batch":
+                self.oom_halvings.inc()
+                LOG.warning("Out of memory on %d rows; retrying with %d rows decoding together", size, attempt.batch_size)
+            else:
+                self.oom_fallbacks.inc(size)
+                LOG.warning("Out of memory on %d rows at one row at a time; retrying without speculation", size)
 
-        def without_speculation(part: list[Encoded]):
-            self.oom_fallbacks.inc()
-            LOG.warning("Out of memory on a single row; retrying it without speculation")
-            return call(part, self._holder.no_speculation())
-
-        return call_isolating_failures(call, batch, on_split, without_speculation)
+        return call_with_fallbacks(call, batch, Attempt(self.engine.batch_size, True), on_retry)
 
     def _record(self, item: Encoded, result: Any) -> GenerationRecord:
         stats = spec_stats(result.stats)
@@ -309,7 +356,7 @@ class GenerateBatchDoFn(beam.DoFn):
         for item, result in zip(encoded, results):
             if isinstance(result, Exception):
                 dead.append(
-                    DeadLetter(item.row.id, item.row.shard, ErrorType.GENERATION_ERROR, clip(f"{type(result).__name__}: {result}"))
+                    DeadLetter(item.row.id, item.row.shard, failure_error_type(result), clip(f"{type(result).__name__}: {result}"))
                 )
                 continue
             record = self._record(item, result)
@@ -360,11 +407,10 @@ class _SharedGenerator:
 
     def no_speculation(self) -> Any:
         """The same target without a drafter (AR decoding, one row at a time), built on first use
-        and kept; it shares the loaded weights."""
+        and kept; it shares the loaded weights. Same class as the main generator, so a
+        generator subclass (e.g. with faults injected) keeps its behaviour."""
         if getattr(self, "_no_speculation", None) is None:
-            from dspark.generator import DSparkGenerator
-
-            self._no_speculation = DSparkGenerator(self.generator.target, drafter=None, scheduler="ar", max_batch_size=1)
+            self._no_speculation = type(self.generator)(self.generator.target, drafter=None, scheduler="ar", max_batch_size=1)
         return self._no_speculation
 
     def sampler(self) -> "UsageSampler":

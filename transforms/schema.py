@@ -67,6 +67,8 @@ class ErrorType:
     PROMPT_TOO_LONG = "prompt_too_long"
     PROMPT_ERROR = "prompt_error"  # any other refusal by the engine's encoder
     GENERATION_ERROR = "generation_error"  # the engine raised on this row alone
+    OUT_OF_MEMORY = "out_of_memory"  # out of accelerator memory alone, even without speculation
+    TIME_LIMIT = "time_limit"  # ran past --row-time-limit-s
     FILE_UNREADABLE = "file_unreadable"  # not Parquet, truncated, unreadable footer
     FILE_MISSING_COLUMNS = "file_missing_columns"
     FILE_SCHEMA_MISMATCH = "file_schema_mismatch"
@@ -74,7 +76,7 @@ class ErrorType:
 
     ROW_LEVEL = (
         NULL_ID, NULL_TEXT, NON_STRING_TEXT, EMPTY_TEXT, INVALID_UTF8, CONTROL_CHARACTERS,
-        TEMPLATE_ERROR, PROMPT_TOO_LONG, PROMPT_ERROR, GENERATION_ERROR,
+        TEMPLATE_ERROR, PROMPT_TOO_LONG, PROMPT_ERROR, GENERATION_ERROR, OUT_OF_MEMORY, TIME_LIMIT,
     )
     FILE_LEVEL = (FILE_UNREADABLE, FILE_MISSING_COLUMNS, FILE_SCHEMA_MISMATCH, FILE_ROW_GROUP_UNREADABLE)
 
