@@ -1,0 +1,398 @@
+"""DIR/report.md and its PNG plots, rendered from the results dictionary (results.json)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dspark.evaluation.core import Output  # noqa: E402
+
+
+# --- formatting ----------------------------------------------------------------------------
+def fmt(value, spec: str = ".2f") -> str:
+    """A table cell: '-' for missing values and NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if spec == "%":
+        return f"{100 * value:.1f}%"
+    if spec == "MiB":
+        return f"{value / 2**20:.1f}"
+    return format(value, spec)
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_md_table(markdown: str, heading: str) -> list[dict[str, str]]:
+    """The first table after `heading` as dicts (header -> cell); for tests and tools."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == heading)
+    table = []
+    for line in lines[start + 1 :]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+        elif line.startswith("#"):
+            break
+    if len(table) < 2:
+        return []
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    headers = cells(table[0])
+    return [dict(zip(headers, cells(line))) for line in table[2:]]
+
+
+# --- tables ----------------------------------------------------------------------------------
+RESULTS_COLUMNS = [
+    ("scenario", "scenario", None),
+    ("method", "method", None),
+    ("batch", "batch_size", "d"),
+    ("prompts", "num_prompts", "d"),
+    ("tokens", "output_tokens", "d"),
+    ("tok/s", "tokens_per_s", ".2f"),
+    ("vs hf", "speedup_vs_hf", ".3f"),
+    ("same as hf", "identical_to_hf", "%"),
+    ("tau", "mean_accepted_length", ".3f"),
+    ("accept", "acceptance_rate", "%"),
+    ("correct", "correction_rate", "%"),
+    ("budget", "mean_verify_budget", ".3f"),
+    ("ROUGE-L vs hf", "rouge_l_vs_hf", ".4f"),
+    ("BLEU vs hf", "bleu_vs_hf", ".2f"),
+    ("ROUGE-L vs ref", "rouge_l_vs_reference", ".4f"),
+    ("BLEU vs ref", "bleu_vs_reference", ".2f"),
+    ("p50 s", "p50_latency_s", ".3f"),
+    ("p99 s", "p99_latency_s", ".3f"),
+]
+
+CATEGORY_COLUMNS = [
+    ("tok/s", "tokens_per_s", ".2f"),
+    ("vs hf", "speedup_vs_hf", ".3f"),
+    ("tau", "mean_accepted_length", ".3f"),
+    ("accept", "acceptance_rate", "%"),
+    ("correct", "correction_rate", "%"),
+    ("ROUGE-L vs ref", "rouge_l_vs_reference", ".4f"),
+    ("BLEU vs ref", "bleu_vs_reference", ".2f"),
+]
+
+LATENCY_COLUMNS = [
+    ("p50 s", "p50_latency_s", ".3f"),
+    ("p90 s", "p90_latency_s", ".3f"),
+    ("p99 s", "p99_latency_s", ".3f"),
+    ("TTFT p50 s", "p50_ttft_s", ".3f"),
+    ("TTFT p99 s", "p99_ttft_s", ".3f"),
+    ("TPOT mean ms", "mean_tpot_s", "ms"),
+    ("TPOT p50 ms", "p50_tpot_s", "ms"),
+    ("TPOT p99 ms", "p99_tpot_s", "ms"),
+]
+
+SWEEP_COLUMNS = [
+    ("tok/s", "tokens_per_s", ".2f"),
+    ("budget", "mean_verify_budget", ".3f"),
+    ("tau", "mean_accepted_length", ".3f"),
+    ("accept", "acceptance_rate", "%"),
+    ("correct", "correction_rate", "%"),
+    ("conf. entropy", "confidence_entropy", ".3f"),
+]
+
+
+def _cell(row: dict, key: str, spec: str | None) -> str:
+    v = row.get(key)
+    if spec is None:
+        return str(v)
+    if spec == "d":
+        return "-" if v is None else str(int(v))
+    if spec == "ms":
+        return fmt(None if v is None else 1000 * v, ".1f")
+    return fmt(v, spec)
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str | None]]) -> str:
+    return md_table([c[0] for c in columns], [[_cell(r, k, s) for _, k, s in columns] for r in rows])
+
+
+def header_section(settings: dict) -> str:
+    keys = [
+        ("date", "date"), ("machine", "machine"), ("device", "device"), ("target", "target"),
+        ("target parameters", "target_parameters"), ("dtype", "dtype"), ("drafters", "drafters"),
+        ("scenarios", "scenarios"), ("methods", "methods"), ("batch sizes", "batch_sizes"),
+        ("sampling", "sampling"), ("threshold sweep", "thresholds"), ("load sweep", "load_sweep"),
+        ("soak", "soak"), ("versions", "versions"), ("elapsed", "elapsed_s"),
+    ]
+    rows = []
+    for label, key in keys:
+        v = settings.get(key)
+        if v is None:
+            continue
+        if isinstance(v, dict):
+            v = ", ".join(f"{k} {x}" for k, x in v.items())
+        elif isinstance(v, list):
+            v = ", ".join(map(str, v))
+        elif key == "elapsed_s":
+            v = f"{v:.0f} s"
+        rows.append([label, str(v).replace("|", "/")])
+    return "\n\n".join([md_table(["setting", "value"], rows), "Command:", f"```bash\n{settings.get('command', '')}\n```"])
+
+
+def _category_rows(runs: list[dict]) -> list[dict]:
+    out = []
+    for r in runs:
+        for cat, s in r.get("by_category", {}).items():
+            out.append({"scenario": r.get("scenario"), "method": r["method"], "batch_size": r["batch_size"], "category": cat, **s})
+    return out
+
+
+def render_markdown(results: dict, plots: dict[str, str]) -> str:
+    s = results["settings"]
+    parts = [f"# DSpark evaluation report: {s.get('target')} on {s.get('device')}", header_section(s)]
+
+    def img(key: str, alt: str) -> None:
+        if key in plots:
+            parts.append(f"![{alt}]({plots[key]})")
+
+    runs = results.get("runs") or []
+    parts += ["## Results", "Greedy decoding; every method on the same prompts, interleaved batch by batch. "
+              "`vs hf` = tokens/s over transformers `generate` at the same batch size; `same as hf` = outputs "
+              "token-identical to it; quality columns compare texts with the `hf` outputs and with the prompt "
+              "file's references (ROUGE-L F1 with stemming; corpus BLEU).", _table(runs, RESULTS_COLUMNS)]
+
+    parts += ["## By category", _table(_category_rows(runs), RESULTS_COLUMNS[:3] + [("category", "category", None)] + CATEGORY_COLUMNS)]
+    img("speedup_by_category", "speedup by category")
+    img("tau_acceptance_by_category", "tau and acceptance by category")
+
+    parts += ["## Latency", "Per request: latency from admission to last token, TTFT = time to first token, "
+              "TPOT = time per output token after the first. `hf` rows in a padded batch finish when their "
+              "last token is produced.", _table(runs, RESULTS_COLUMNS[:3] + LATENCY_COLUMNS)]
+    img("latency", "latency distributions")
+
+    sampling = results.get("sampling")
+    if sampling:
+        parts += ["## Sampling", sampling_text(sampling), sampling_table(sampling)]
+        img("sampling", "sampled output distributions")
+
+    if results.get("threshold_sweep"):
+        parts += ["## Threshold sweep", "Verify budget = draft tokens sent to the target per row and round.",
+                  _table(results["threshold_sweep"], [("threshold", "threshold", ".2f"), ("method", "method", None), ("batch", "batch_size", "d")] + SWEEP_COLUMNS)]
+        img("threshold_sweep", "threshold sweep")
+
+    load = results.get("load_sweep")
+    if load:
+        parts += ["## Load sweep", "Tokens/s and mean verify budget per row and round as the batch grows "
+                  "(paper Figure 8: the budget should fall with load and `dspark` stay at or above every fixed K).",
+                  _table(load["rows"], [("method", "method", None), ("batch", "batch_size", "d")] + SWEEP_COLUMNS)]
+        if load.get("checks"):
+            parts += ["### dspark vs fixed K", _table(load["checks"], [
+                ("batch", "batch_size", "d"), ("method", "method", None), ("best fixed", "best_fixed", None),
+                ("vs best fixed", "vs_best_fixed", ".3f"), ("vs ar", "vs_ar", ".3f"),
+                ("at or above every fixed K", "at_or_above_every_fixed", "b")])]
+        img("load_sweep", "load sweep")
+
+    parts += ["## Resources", resources_table(results.get("resources") or {})]
+    img("memory", "memory over the run")
+
+    soak = results.get("soak")
+    if soak:
+        parts += ["## Soak", soak_table(soak)]
+        img("soak", "memory over the soak run")
+    return "\n\n".join(parts) + "\n"
+
+
+def sampling_text(sampling: dict) -> str:
+    p = sampling.get("params", {})
+    return (f"temperature {p.get('temperature')}, top-k {p.get('top_k')}, top-p {p.get('top_p')}, "
+            f"{p.get('seeds')} seeds; prompt i uses seed base + i in every method. Statistics per seed, then "
+            "mean +- sd over seeds; `overlap` = every statistic's mean +- 2 sd interval meets hf's; p = permutation "
+            "test on pooled per-output values (a lossless method should not give small p values).")
+
+
+def sampling_table(sampling: dict) -> str:
+    rows = []
+    for method, info in sampling["methods"].items():
+        st = info["stats"]
+        ms = lambda k: f"{st[k]['mean']:.3f} ± {st[k]['sd']:.3f}" if k in st else "-"  # noqa: E731
+        ov = info.get("overlaps_hf")
+        pv = info.get("p_value_vs_hf", {})
+        rows.append([
+            method, str(info["batch_size"]), str(len(info["per_seed"])), ms("mean_output_tokens"),
+            ms("rouge_l_vs_reference"), ms("bleu_vs_reference"), ms("tokens_per_s"),
+            "-" if ov is None else ("yes" if all(ov.values()) else "no"),
+            fmt(pv.get("output_tokens"), ".3f"), fmt(pv.get("rouge_l_vs_reference"), ".3f"),
+        ])
+    return md_table(["method", "batch", "seeds", "output tokens", "ROUGE-L vs ref", "BLEU vs ref", "tok/s",
+                     "overlap with hf", "p (length)", "p (ROUGE-L)"], rows)
+
+
+def resources_table(res: dict) -> str:
+    rows = [
+        ["peak RSS MiB", fmt(res.get("rss_peak_bytes"), "MiB")],
+        ["target tensors MiB", fmt(res.get("target_tensor_bytes"), "MiB")],
+        ["CPU utilisation (mean)", fmt(res.get("cpu_util_mean"), "%")],
+        ["GPU utilisation (NVML mean)", fmt(res.get("gpu_util_mean"), "%")],
+    ]
+    cuda = res.get("cuda") or {}
+    rows += [
+        ["CUDA peak allocated MiB", fmt(cuda.get("peak_allocated_bytes"), "MiB")],
+        ["CUDA peak reserved MiB", fmt(cuda.get("peak_reserved_bytes"), "MiB")],
+        ["CUDA fragmentation at end", fmt(cuda.get("fragmentation"), "%")],
+        ["CUDA fragmentation at peak", fmt(cuda.get("peak_fragmentation"), "%")],
+    ]
+    for d in res.get("drafters", []):
+        rows.append([f"drafter {d['drafter']}: own tensors MiB", fmt(d["tensor_bytes"], "MiB")])
+        rows.append([f"drafter {d['drafter']}: RSS growth on load MiB", fmt(d["rss_delta_bytes"], "MiB")])
+        if d.get("cuda_allocated_delta_bytes") is not None:
+            rows.append([f"drafter {d['drafter']}: CUDA growth on load MiB", fmt(d["cuda_allocated_delta_bytes"], "MiB")])
+    return md_table(["resource", "value"], rows)
+
+
+def soak_table(soak: dict) -> str:
+    rows = [
+        ["methods", ", ".join(soak.get("methods", []))],
+        ["minutes requested / run", f"{soak['minutes_requested']:g} / {soak['minutes_run']:.2f}"],
+        ["iterations", str(soak["iterations"])],
+        ["requests", str(soak["requests"])],
+        ["output tokens", str(soak["output_tokens"])],
+        ["errors", str(soak["errors"])],
+        ["greedy outputs changed vs first iteration", str(soak["changed_outputs"])],
+        ["RSS slope bytes/min", fmt(soak.get("rss_slope_bytes_per_min"), ".0f")],
+        ["CUDA allocated slope bytes/min", fmt(soak.get("cuda_allocated_slope_bytes_per_min"), ".0f")],
+        ["CUDA reserved slope bytes/min", fmt(soak.get("cuda_reserved_slope_bytes_per_min"), ".0f")],
+        ["RSS first / last MiB", f"{fmt(soak['samples'][0]['rss_bytes'], 'MiB')} / {fmt(soak['samples'][-1]['rss_bytes'], 'MiB')}" if soak.get("samples") else "-"],
+    ]
+    text = md_table(["soak", "value"], rows)
+    if soak.get("error_messages"):
+        text += "\n\nFirst errors:\n\n" + "\n".join(f"- `{m}`" for m in soak["error_messages"])
+    return text
+
+
+# --- plots -----------------------------------------------------------------------------------
+def _save(fig, out_dir: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{name}.png", dpi=110)
+    plt.close(fig)
+    return f"{name}.png"
+
+
+def _first_bs_runs(runs: list[dict]) -> dict[str, list[dict]]:
+    """Per scenario, the rows at its smallest batch size (one comparable set per scenario)."""
+    by = defaultdict(list)
+    for r in runs:
+        by[r.get("scenario")].append(r)
+    return {sc: [r for r in rs if r["batch_size"] == min(x["batch_size"] for x in rs)] for sc, rs in by.items()}
+
+
+def _grouped_bars(ax, rows: list[dict], key: str, title: str) -> None:
+    cats = sorted({c for r in rows for c in r["by_category"]})
+    methods = [r for r in rows if r["method"] not in ("hf",)]
+    width = 0.8 / max(1, len(methods))
+    for k, r in enumerate(methods):
+        vals = [r["by_category"].get(c, {}).get(key) for c in cats]
+        ax.bar([i + k * width for i in range(len(cats))], [v if v is not None else 0 for v in vals], width, label=r["method"])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
+    ax.set_title(title, fontsize=9)
+
+
+def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, str]:
+    out_dir = Path(out_dir)
+    plots: dict[str, str] = {}
+    groups = _first_bs_runs(results.get("runs") or [])
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+        for ax, (sc, rows) in zip(axes[0], groups.items()):
+            _grouped_bars(ax, rows, "speedup_vs_hf", f"{sc}: tokens/s vs hf (batch {rows[0]['batch_size']})")
+            ax.axhline(1.0, color="grey", lw=0.8)
+        axes[0][0].legend(fontsize=7)
+        plots["speedup_by_category"] = _save(fig, out_dir, "speedup_by_category")
+
+        fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 7), squeeze=False)
+        for j, (sc, rows) in enumerate(groups.items()):
+            _grouped_bars(axes[0][j], rows, "mean_accepted_length", f"{sc}: tau (tokens per round)")
+            _grouped_bars(axes[1][j], rows, "acceptance_rate", f"{sc}: acceptance rate")
+        axes[0][0].legend(fontsize=7)
+        plots["tau_acceptance_by_category"] = _save(fig, out_dir, "tau_acceptance_by_category")
+
+        fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.5 * len(groups)), squeeze=False)
+        for i, (sc, rows) in enumerate(groups.items()):
+            bs = rows[0]["batch_size"]
+            methods = [r["method"] for r in rows]
+            mine = lambda m: [o for o in outputs if o.phase == "compare" and o.scenario == sc and o.batch_size == bs and o.method == m]  # noqa: E731
+            axes[i][0].boxplot([[o.latency_s for o in mine(m)] for m in methods], tick_labels=methods)
+            axes[i][0].set_title(f"{sc}: request latency s (batch {bs})", fontsize=9)
+            tp = [[1000 * o.tpot_s for o in mine(m) if o.tpot_s is not None] or [math.nan] for m in methods]
+            axes[i][1].boxplot(tp, tick_labels=methods)
+            axes[i][1].set_title(f"{sc}: time per output token ms (batch {bs})", fontsize=9)
+            for ax in axes[i]:
+                ax.tick_params(axis="x", rotation=25, labelsize=7)
+        plots["latency"] = _save(fig, out_dir, "latency")
+
+    sampling = results.get("sampling")
+    if sampling:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = list(sampling["methods"])
+        for k, name in enumerate(names):
+            vals = [s["mean_output_tokens"] for s in sampling["methods"][name]["per_seed"]]
+            ax.scatter([k] * len(vals), vals, s=18)
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_title("mean output tokens per seed (sampling)", fontsize=9)
+        plots["sampling"] = _save(fig, out_dir, "sampling")
+
+    sweep = results.get("threshold_sweep")
+    if sweep:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+        t = [r["threshold"] for r in sweep]
+        for ax, key, title in zip(axes, ("mean_verify_budget", "correction_rate", "tokens_per_s"),
+                                  ("mean verify budget", "correction rate", "tokens/s")):
+            ax.plot(t, [r[key] if r[key] is not None else math.nan for r in sweep], "o-")
+            ax.set_xlabel("confidence threshold")
+            ax.set_title(title, fontsize=9)
+        plots["threshold_sweep"] = _save(fig, out_dir, "threshold_sweep")
+
+    load = results.get("load_sweep")
+    if load:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        for m in dict.fromkeys(r["method"] for r in load["rows"]):
+            rs = sorted((r for r in load["rows"] if r["method"] == m), key=lambda r: r["batch_size"])
+            b = [r["batch_size"] for r in rs]
+            axes[0].plot(b, [r["tokens_per_s"] for r in rs], "o-", label=m)
+            axes[1].plot(b, [r["mean_verify_budget"] for r in rs], "o-", label=m)
+        for ax, title in zip(axes, ("tokens/s", "mean verify budget per row and round")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_title(title, fontsize=9)
+        axes[0].legend(fontsize=7)
+        plots["load_sweep"] = _save(fig, out_dir, "load_sweep")
+
+    samples = (results.get("resources") or {}).get("rss_samples")
+    if samples:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot([s[0] / 60 for s in samples], [s[1] / 2**20 for s in samples])
+        ax.set_xlabel("minutes since start")
+        ax.set_ylabel("RSS MiB")
+        for ph in (results.get("resources") or {}).get("phases", []):
+            ax.axvline(ph["start_s"] / 60, color="grey", lw=0.6)
+            ax.text(ph["start_s"] / 60, ax.get_ylim()[1], ph["name"], fontsize=6, rotation=90, va="top")
+        plots["memory"] = _save(fig, out_dir, "memory")
+
+    soak = results.get("soak")
+    if soak and soak.get("samples"):
+        ss = soak["samples"]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot([s["minutes"] for s in ss], [s["rss_bytes"] / 2**20 for s in ss], ".-", label="RSS")
+        if any(s["cuda_allocated_bytes"] is not None for s in ss):
+            ax.plot([s["minutes"] for s in ss], [(s["cuda_allocated_bytes"] or 0) / 2**20 for s in ss], ".-", label="CUDA allocated")
+            ax.plot([s["minutes"] for s in ss], [(s["cuda_reserved_bytes"] or 0) / 2**20 for s in ss], ".-", label="CUDA reserved")
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"soak: RSS slope {fmt(soak.get('rss_slope_bytes_per_min'), '.0f')} bytes/min, {soak['errors']} errors", fontsize=9)
+        ax.legend(fontsize=7)
+        plots["soak"] = _save(fig, out_dir, "soak")
+    return plots
