@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = p.add_argument_group("soak")
     k.add_argument("--soak-minutes", type=float, default=None, help="repeat the workload this long, recording memory over time (default 0: off)")
     k.add_argument("--soak-methods", default=None, help="methods the soak repeats (default: dspark@DEFAULT_DRAFTER)")
+    k.add_argument("--soak-scenario", default=None, help="scenario whose prompts the soak repeats (default: the first)")
     k.add_argument("--soak-batch-size", type=int, default=None, help="default: the largest of --batch-sizes")
     k.add_argument("--soak-max-new-tokens", type=int, default=None, help="default: the first scenario's")
     k.add_argument("--sample-interval", type=float, default=None, help="seconds between background RSS/NVML samples (default 1)")
@@ -149,6 +150,7 @@ DEFAULTS = {
     "sweep_max_new_tokens": 64,
     "soak_minutes": 0.0,
     "soak_methods": None,
+    "soak_scenario": None,
     "soak_batch_size": None,
     "soak_max_new_tokens": None,
     "sample_interval": 1.0,
@@ -267,12 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     all_engine = {m for m in methods + sampling_methods + load_methods + soak_methods + sweep_methods if m not in ("hf", "hf-pld")}
     for m in sorted(all_engine):  # fail on a bad name before loading anything heavy
         make_scheduler(split_method(m, drafter)[0] if not m.startswith("dspark") else "ar")
-    for name in (args.sampling_scenario, args.sweep_scenario):
+    for name in (args.sampling_scenario, args.sweep_scenario, args.soak_scenario):
         if name and name not in by_name:
             raise SystemExit(f"unknown scenario {name!r}; scenarios: {', '.join(by_name)}")
     sample_sc = by_name.get(args.sampling_scenario) or next((sc for sc in scenarios if any(p.reference for p in prompts[sc.name])), scenarios[0])
     sweep_sc = by_name.get(args.sweep_scenario) or scenarios[-1]
-    soak_sc = scenarios[0]
+    soak_sc = by_name.get(args.soak_scenario) or scenarios[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -22,7 +22,10 @@ def _scorer():
 
 
 def rouge_l(prediction: str, reference: str) -> float:
-    """ROUGE-L F1 in [0, 1]."""
+    """ROUGE-L F1 in [0, 1]. Identical strings score 1 even when they hold no word that
+    rouge-score tokenises (e.g. only newlines), where the library would give 0."""
+    if prediction == reference:
+        return 1.0
     return float(_scorer().score(reference, prediction)["rougeL"].fmeasure)
 
 
