@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "stop": [],
     "seed": 0,
     "skip_bad_files": False,
+    "resume": False,
     "limit_per_shard": None,
     "strip_control_chars": False,
     "truncate_prompts": False,
@@ -65,23 +66,26 @@ SmolLM2-135M-Instruct target, the n-gram drafter and the DSpark scheduler, and w
 """
 
 EPILOG = """\
-outputs (under --output DIR):
-  generations/part-*.parquet    one row per generated input row: id, shard, output,
+outputs (under --output DIR; one file per input shard in each folder, named after the shard):
+  generations/*.parquet         one row per generated input row: id, shard, output,
                                 num_prompt_tokens, num_output_tokens, finish_reason (eos|length|stop),
                                 latency_s, mean_accepted_length (tokens gained per target forward,
                                 1.0 = no speculation), [prompt_truncated with --truncate-prompts],
                                 then the --keep-columns
-  shard_metrics/part-*.parquet  one row per input shard: shard, num_records, num_ok, num_failed,
+  shard_metrics/*.parquet       one row per input shard: shard, num_records, num_ok, num_failed,
                                 num_duplicate_ids, output_tokens, wall_s (engine time on the shard),
                                 tokens_per_s, mean_accepted_length, acceptance_rate, correction_rate,
                                 mean_verify_budget, p50_latency_s, p99_latency_s, device,
                                 gpu_util_mean, gpu_mem_peak_bytes (null without a GPU),
                                 cpu_util_mean, rss_peak_bytes
-  dead_letter/part-*.parquet    one row per input row that could not be generated (and per skipped
+  dead_letter/*.parquet         one row per input row that could not be generated (and per skipped
                                 file): id, shard, error_type, error
+  _complete/*.json              a marker per input file, written once all its outputs are in place
   run_summary.json              totals, the resolved configuration, package versions, Beam counters
   Every input row appears exactly once in generations or dead_letter. A rerun into the same DIR
-  replaces all three folders' part files.
+  first deletes all previous outputs; with --resume it keeps the input files that have a marker
+  (same settings, same row counts), deletes every other output file (partial ones from a crash)
+  and processes only the rest.
 
 bad input:
   Row level (the job goes on; the row goes to dead_letter with error_type):
@@ -89,7 +93,10 @@ bad input:
     (C0/C1 controls other than tab/newline/CR; or --strip-control-chars), template_error,
     prompt_too_long (prompt + max_new_tokens exceed the context; or --truncate-prompts),
     prompt_error (any other refusal by the tokenizer/engine), generation_error (the engine raised
-    on that row alone: a failing batch is retried in halves, so the other rows still complete).
+    on that row alone: a failing batch is retried in halves, so the other rows still complete),
+    out_of_memory (out of accelerator memory: the batch is retried with half as many rows decoding
+    together, down to one, then without speculation, and only a row that still does not fit alone
+    gets this).
     Duplicate ids are generated and counted in shard_metrics.num_duplicate_ids.
   File level (checked before any model loads; the job stops with the file and problem named):
     no file matches --input, file not Parquet or truncated (file_unreadable), a missing id/text/
@@ -137,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="input columns copied into generations (space or comma separated)")
     io.add_argument("--limit-per-shard", dest="limit_per_shard", type=positive_int, metavar="N",
                     help="process only the first N rows of each shard (smoke tests of a config)")
+    io.add_argument("--resume", action=argparse.BooleanOptionalAction,
+                    help="keep the outputs of input files already complete in --output (per-file completion "
+                    "markers) and process only the others; without it, previous outputs are deleted first")
     io.add_argument("--skip-bad-files", dest="skip_bad_files", action=argparse.BooleanOptionalAction,
                     help="record unreadable / mismatched input files in dead_letter instead of failing")
     io.add_argument("--strip-control-chars", dest="strip_control_chars", action=argparse.BooleanOptionalAction,
@@ -399,13 +409,9 @@ def make_runner(options: dict):
     return None
 
 
-def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None):
-    """(pipeline, preflight, job): checks the input, then builds the graph (nothing runs yet).
-    Raises BadInputError before any model is loaded anywhere."""
-    import apache_beam as beam
-
-    from transforms.generation import build_generator
-    from transforms.job import GenerateFromShards
+def check_run(options: dict):
+    """(job, preflight): the options and the input files checked; nothing loaded, nothing written.
+    Raises ConfigError / BadInputError."""
     from transforms.preflight import check_inputs, limit_rows
 
     job = job_spec(options)
@@ -417,8 +423,34 @@ def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None)
         LOG.warning("Skipping %s", problem.message())
     LOG.info("Input: %d shard(s), %d row(s)%s", len(pre.shards), pre.num_rows,
              f"; {len(pre.skipped)} file(s) skipped" if pre.skipped else "")
+    return job, pre
+
+
+def without_files(pre, paths: set[str]):
+    """The preflight minus the input files in `paths` (those already complete, on --resume)."""
+    from transforms.preflight import Preflight
+
+    return Preflight(
+        shards=[s for s in pre.shards if s.path not in paths],
+        column_types=pre.column_types,
+        skipped=[f for f in pre.skipped if f.path not in paths],
+    )
+
+
+def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None, on_progress=None, checked=None,
+                   complete: frozenset[str] = frozenset()):
+    """(pipeline, preflight, job): checks the input (unless `checked` = (job, preflight) already),
+    then builds the graph over the input files not in `complete` (nothing runs yet). Raises
+    BadInputError before any model is loaded anywhere."""
+    import apache_beam as beam
+
+    from transforms.generation import build_generator
+    from transforms.job import GenerateFromShards
+
+    job, pre = checked or check_run(options)
     p = beam.Pipeline(runner=make_runner(options), options=pipeline_options(options, beam_flags))
-    _ = p | "DSpark" >> GenerateFromShards(pre, job, generator_factory or build_generator)
+    _ = p | "DSpark" >> GenerateFromShards(without_files(pre, set(complete)), job, generator_factory or build_generator,
+                                           on_progress)
     return p, pre, job
 
 
@@ -426,20 +458,34 @@ def printable_config(options: dict) -> dict:
     return {k: v for k, v in sorted(options.items())}
 
 
-def run(argv: list[str] | None = None, generator_factory=None) -> dict:
-    """Run the job to completion and return the run summary (also written to run_summary.json)."""
+def run(argv: list[str] | None = None, generator_factory=None, on_progress=None) -> dict:
+    """Run the job to completion and return the run summary (also written to run_summary.json).
+    `on_progress(shard, stage)` is called as each input file's outputs are written (tests use it
+    to crash a job part-way)."""
+    from transforms.job import job_settings, unit_identities
+    from transforms.outputs import prepare_output
     from transforms.summary import beam_counters, build_summary, write_summary
 
     options, beam_flags = resolve_options(list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
-    p, pre, job = build_pipeline(options, beam_flags, generator_factory)
-    LOG.info("Running on %s; writing %s", options["runner"], options["output"])
-    result = p.run()
-    result.wait_until_finish()
+    job, pre = check_run(options)
+    plan = prepare_output(job.output, bool(options["resume"]), unit_identities(pre), job_settings(job))
+    if options["resume"]:
+        LOG.info("Resuming: %d input file(s) already complete, %d to process%s", len(plan.complete), len(plan.todo),
+                 f"; keeping {len(plan.kept_other)} complete file(s) not in this input" if plan.kept_other else "")
+    counters: dict[str, int] = {}
+    if plan.todo:
+        p, _, _ = build_pipeline(options, beam_flags, generator_factory, on_progress, (job, pre), frozenset(plan.complete))
+        LOG.info("Running on %s; writing %s", options["runner"], options["output"])
+        result = p.run()
+        result.wait_until_finish()
+        counters = beam_counters(result)
     wall_s = time.perf_counter() - started
     skipped = [{"file": f.path, "error_type": f.error_type, "error": f.error} for f in pre.skipped]
+    resume = {"resumed": bool(options["resume"]), "files_already_complete": len(plan.complete),
+              "files_processed": len(plan.todo), "complete_files_kept_from_other_inputs": len(plan.kept_other)}
     summary = build_summary(options["output"], wall_s, printable_config(options) | {"beam_flags": beam_flags},
-                            beam_counters(result), skipped)
+                            counters, skipped) | {"resume": resume}
     path = write_summary(options["output"], summary)
     t = summary["totals"]
     LOG.info(
@@ -456,13 +502,14 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transforms.outputs import ResumeError
     from transforms.preflight import BadInputError  # imports Beam before logging is configured: less noise
 
     configure_logging()
 
     try:
         run(argv)
-    except (BadInputError, ConfigError) as exc:  # bad input or options: a message, not a traceback
+    except (BadInputError, ConfigError, ResumeError) as exc:  # bad input or options: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -176,15 +176,26 @@ def test_rerun_is_deterministic_and_replaces_old_outputs(main_job, tiny_model):
     assert [(m["shard"], m["num_records"]) for m in read_folder(out, "shard_metrics")] == [(only_a, 5)]
 
 
-def test_multi_processing_workers_and_global_batches_give_the_same_outputs(main_job, tiny_model, tmp_path, monkeypatch):
-    """Two worker processes, and engine calls that mix shards (--batch-scope global)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def test_multi_processing_workers_crash_resume_and_global_batches_give_the_same_outputs(main_job, tiny_model, tmp_path, monkeypatch):
+    """Two worker processes and engine calls that mix shards (--batch-scope global); the job
+    crashes in a worker once one shard is complete (the next one half written) and --resume
+    finishes it: every row exactly once, same outputs. (The resumed run is in-process: which
+    files to redo is decided by the launcher, and a second start of worker processes would
+    double this test's time.)"""
+    from test_pipeline_support import CrashAfterShards
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "out"
     args = base_args(tiny_model, out, str(main_job["root"] / "in" / "*.parquet")) + [
         "--prompt-template", TEMPLATE, "--direct_running_mode=multi_processing", "--direct_num_workers=2",
         "--batch-scope", "global", "--rows-per-call", "8",
     ]
-    cli.run(args)
+    with pytest.raises(Exception, match="injected crash"):
+        cli.run(args, on_progress=CrashAfterShards(tmp_path / "tokens", 1))
+    complete = len(list((out / "_complete").glob("*.json")))
+    in_process = [a for a in args if not a.startswith("--direct_")]
+    summary = cli.run(in_process + ["--resume"])
+    assert 1 <= summary["resume"]["files_already_complete"] == complete < 3
     gens = read_folder(out, "generations")
     dead = read_folder(out, "dead_letter")
     expected = collections.Counter((shard, r["id"]) for shard, rows in main_job["shards"].items() for r in rows)
@@ -219,7 +230,7 @@ def test_pipeline_constructs_for_dataflow_without_submitting(monkeypatch):
     assert p.options.view_as(GoogleCloudOptions).project == "demo-project"
     assert p.options.view_as(WorkerOptions).machine_type == "g2-standard-8"
     names = {t.unique_name for t in p.to_runner_api().components.transforms.values()}
-    assert {"DSpark/ReadRowGroups", "DSpark/Generate", "DSpark/WriteGenerations", "DSpark/PerShard"} <= names
+    assert {"DSpark/ReadRowGroups", "DSpark/Generate", "DSpark/WriteShardOutputs", "DSpark/PerShard"} <= names
 
 
 def test_remote_runner_refuses_local_paths():

@@ -87,3 +87,25 @@ def folder_columns(out: Path, folder: str) -> list[list[str]]:
 
 def read_summary(out: Path) -> dict:
     return json.loads((Path(out) / "run_summary.json").read_text())
+
+
+class InjectedCrash(RuntimeError):
+    """A job dying part-way (raised from the pipeline's per-shard progress hook)."""
+
+
+class CrashAfterShards:
+    """A progress hook (see transforms.outputs.ProgressHook) that lets `n` input files complete,
+    then crashes the job when the next file's data files are in place but its completion marker
+    is not: that file is left partial. Counts through token files in `folder`, so it works across
+    worker processes; picklable (Beam ships it to the workers)."""
+
+    def __init__(self, folder: Path, n: int):
+        self.folder = str(folder)
+        self.n = n
+
+    def __call__(self, shard: str, stage: str) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        if stage == "complete":
+            (Path(self.folder) / f"{len(os.listdir(self.folder))}-{os.getpid()}").write_text(shard)
+        elif stage == "files_written" and len(os.listdir(self.folder)) >= self.n:
+            raise InjectedCrash(f"injected crash after {self.n} complete shard(s), while writing {shard}")

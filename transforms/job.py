@@ -4,6 +4,7 @@
           -> generate (engine) -> generations
     every row's fate, the footers' row counts and the engine calls' timings -> shard metrics
     file-level problems + bad rows + rows the engine failed on -> dead letters
+    all three, grouped by input file -> that file's output files, then its completion marker
 
 By default rows are batched per shard (GroupIntoBatches keyed by shard), so each engine call's
 wall time belongs to one shard and `shard_metrics.tokens_per_s` is that shard's own throughput.
@@ -13,16 +14,16 @@ continuous batching full when shards are small; call times are then apportioned 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
-from apache_beam.io.parquetio import WriteToParquet
 
 from transforms import schema as S
 from transforms.generation import BATCH_REPORT_TAG, DEAD_LETTER_TAG, DecodeSpec, EngineSpec, GenerateBatchDoFn, build_generator
 from transforms.metrics import ShardMetricsFn, ok_event, shard_metrics_row
+from transforms.outputs import SPEC_COUNTS, ProgressHook, WriteShardOutputsDoFn, normalised, shard_identity, skipped_identity
 from transforms.preflight import Preflight
 from transforms.prompts import PromptSpec, to_prompt
 from transforms.read import ReadRowGroupDoFn, row_group_units
@@ -58,18 +59,26 @@ def key_by_shard(row: PromptRow) -> tuple[str, PromptRow]:
     return row.shard, row
 
 
-def output_path(output: str, folder: str) -> str:
-    """`DIR/folder/part`: the sinks' prefix. Folder names are fixed, never from the data."""
-    return "/".join([output.rstrip("/"), folder, S.FILE_PREFIX])
+def job_settings(job: JobSpec) -> dict:
+    """The settings that decide what a shard's outputs hold (flat "section.key" names); --resume
+    refuses to add to outputs written under other ones. Batching only changes speed: left out."""
+    engine = {k: v for k, v in asdict(job.engine).items() if k != "batch_size"}
+    decode = {k: v for k, v in asdict(job.decode).items() if k != "progress"}
+    sections = {"prompt": asdict(job.prompt), "engine": engine, "decode": decode}
+    flat = {f"{name}.{k}": v for name, values in sections.items() for k, v in values.items()}
+    return normalised(flat | {"skip_bad_files": job.skip_bad_files})
 
 
-def write_parquet(rows: beam.PCollection, output: str, folder: str, arrow_schema: pa.Schema, label: str):
-    return rows | f"Write{label}" >> WriteToParquet(
-        output_path(output, folder),
-        schema=arrow_schema,
-        shard_name_template=S.SHARD_NAME_TEMPLATE,
-        file_name_suffix=S.FILE_SUFFIX,
-    )
+def unit_identities(pre: Preflight) -> dict[str, dict]:
+    """Every input file the job accounts for (shards and skipped files) -> its identity."""
+    units = {s.path: shard_identity(s.num_rows, s.row_group_rows) for s in pre.shards}
+    units.update({f.path: skipped_identity(f.error_type) for f in pre.skipped})
+    return units
+
+
+def keyed(folder: str):
+    """row -> (its input file, (folder, row)): what the per-file writer groups on."""
+    return lambda row: (row["shard"], (folder, row))
 
 
 def id_arrow_type(pre: Preflight, spec: PromptSpec) -> pa.DataType:
@@ -112,11 +121,13 @@ def batch_rows(scope: str, n: int) -> beam.PTransform:
 class GenerateFromShards(beam.PTransform):
     """Apply to a pipeline (`p | GenerateFromShards(...)`); returns the written PCollections."""
 
-    def __init__(self, preflight: Preflight, job: JobSpec, generator_factory=build_generator):
+    def __init__(self, preflight: Preflight, job: JobSpec, generator_factory=build_generator,
+                 on_progress: ProgressHook | None = None):
         super().__init__()
         self.pre = preflight
         self.job = job
         self.generator_factory = generator_factory
+        self.on_progress = on_progress
 
     def expand(self, pbegin):
         pre, job = self.pre, self.job
@@ -162,20 +173,31 @@ class GenerateFromShards(beam.PTransform):
             ),
             generated[BATCH_REPORT_TAG] | "BatchEvents" >> beam.Map(lambda b: (b.shard, ("batch", b))),
         ) | "AllShardEvents" >> beam.Flatten()
-        metrics = (
-            events
-            | "PerShard" >> beam.CombinePerKey(ShardMetricsFn())
-            | "MetricsRow" >> beam.MapTuple(shard_metrics_row)
-        )
+        per_shard = events | "PerShard" >> beam.CombinePerKey(ShardMetricsFn())
+        metrics = per_shard | "MetricsRow" >> beam.MapTuple(shard_metrics_row)
+        spec_counts = per_shard | "SpecCounts" >> beam.MapTuple(
+            lambda shard, acc: (shard, (SPEC_COUNTS, asdict(acc.stats)))
+        ).with_output_types(tuple[str, Any])
 
         truncation = job.decode.truncate_prompts
         gen_rows = generated.records | "GenerationRow" >> beam.Map(lambda r: r.as_row(truncation))
         dead_rows = dead | "DeadLetterRow" >> beam.Map(lambda d: d.as_row())
         id_type = id_arrow_type(pre, job.prompt)
-        return {
-            "generations": write_parquet(
-                gen_rows, job.output, S.GENERATIONS_DIR, S.generations_schema(id_type, kept_schema(pre, job.prompt), truncation), "Generations"
-            ),
-            "shard_metrics": write_parquet(metrics, job.output, S.SHARD_METRICS_DIR, S.shard_metrics_schema(), "ShardMetrics"),
-            "dead_letter": write_parquet(dead_rows, job.output, S.DEAD_LETTER_DIR, S.dead_letter_schema(id_type), "DeadLetter"),
+        schemas = {
+            S.GENERATIONS_DIR: S.generations_schema(id_type, kept_schema(pre, job.prompt), truncation),
+            S.SHARD_METRICS_DIR: S.shard_metrics_schema(),
+            S.DEAD_LETTER_DIR: S.dead_letter_schema(id_type),
         }
+        return (
+            (
+                gen_rows | "KeyGenerations" >> beam.Map(keyed(S.GENERATIONS_DIR)).with_output_types(tuple[str, Any]),
+                metrics | "KeyShardMetrics" >> beam.Map(keyed(S.SHARD_METRICS_DIR)).with_output_types(tuple[str, Any]),
+                dead_rows | "KeyDeadLetters" >> beam.Map(keyed(S.DEAD_LETTER_DIR)).with_output_types(tuple[str, Any]),
+                spec_counts,
+            )
+            | "AllOutputs" >> beam.Flatten()
+            | "ByInputFile" >> beam.GroupByKey()
+            | "WriteShardOutputs" >> beam.ParDo(
+                WriteShardOutputsDoFn(job.output, schemas, unit_identities(pre), job_settings(job), self.on_progress)
+            )
+        )

@@ -11,10 +11,7 @@ GENERATIONS_DIR = "generations"
 SHARD_METRICS_DIR = "shard_metrics"
 DEAD_LETTER_DIR = "dead_letter"
 RUN_SUMMARY_FILE = "run_summary.json"
-# Fixed file names without the shard count, so a rerun's WriteToParquet deletes every old part.
-FILE_PREFIX = "part"
-SHARD_NAME_TEMPLATE = "-SSSSS"
-FILE_SUFFIX = ".parquet"
+COMPLETE_DIR = "_complete"  # one marker per input file whose outputs are all written (--resume)
 
 GENERATION_COLUMNS = (
     "id",

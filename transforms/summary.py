@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from transforms import schema as S
+from transforms.outputs import Marker, read_markers
 from transforms.preflight import open_binary
 
 VERSIONED_PACKAGES = ("dspark", "apache-beam", "torch", "transformers", "pyarrow", "numpy")
@@ -29,14 +30,23 @@ def package_versions() -> dict[str, str | None]:
 
 
 def read_output_table(output: str, folder: str) -> list[dict]:
-    """All rows of one output folder (`DIR/folder/part-*.parquet`), as dicts."""
-    pattern = "/".join([output.rstrip("/"), folder, S.FILE_PREFIX + "*" + S.FILE_SUFFIX])
+    """All rows of one output folder (`DIR/folder/*.parquet`), as dicts."""
+    pattern = "/".join([output.rstrip("/"), folder, "*.parquet"])
     rows: list[dict] = []
     for match in FileSystems.match([pattern]):
         for meta in sorted(match.metadata_list, key=lambda m: m.path):
             with open_binary(meta.path) as f:
                 rows.extend(pq.read_table(f).to_pylist())
     return rows
+
+
+def spec_totals(markers: list[Marker]) -> Counter:
+    """Speculation counters summed over every complete shard in DIR (this run's and, after
+    --resume, earlier runs'), so the job-wide ratios cover every generated row."""
+    totals: Counter = Counter()
+    for m in markers:
+        totals.update(m.spec)
+    return totals
 
 
 def beam_counters(result: Any) -> dict[str, int]:
@@ -62,7 +72,8 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
     dead = read_output_table(output, S.DEAD_LETTER_DIR)
     output_tokens = sum(m["output_tokens"] for m in metrics)
     engine_wall = sum(m["wall_s"] for m in metrics)
-    c = lambda name: counters.get(f"dspark.{name}", 0)  # noqa: E731
+    spec = spec_totals(read_markers(output))
+    c = lambda name: spec.get(name, 0)  # noqa: E731
     totals = {
         "num_shards": len(metrics),
         "num_records": sum(m["num_records"] for m in metrics),
@@ -75,10 +86,10 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
         "tokens_per_s": ratio(output_tokens, job_wall_s),
         "engine_wall_s": engine_wall,
         "engine_tokens_per_s": ratio(output_tokens, engine_wall),
-        "mean_accepted_length": ratio(c("spec_emitted"), c("spec_rounds")),
-        "acceptance_rate": ratio(c("spec_accepted"), c("spec_verified")),
-        "correction_rate": ratio(c("spec_verified") - c("spec_accepted"), c("spec_verified")),
-        "mean_verify_budget": ratio(c("spec_verified"), c("spec_rounds")),
+        "mean_accepted_length": ratio(c("emitted"), c("rounds")),
+        "acceptance_rate": ratio(c("accepted"), c("verified")),
+        "correction_rate": ratio(c("verified") - c("accepted"), c("verified")),
+        "mean_verify_budget": ratio(c("verified"), c("rounds")),
         "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),
     }
     return {
