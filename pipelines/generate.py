@@ -46,6 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "top_p": 1.0,
     "stop": [],
     "seed": 0,
+    "row_time_limit_s": None,
     "skip_bad_files": False,
     "resume": False,
     "limit_per_shard": None,
@@ -94,6 +95,8 @@ bad input:
     prompt_too_long (prompt + max_new_tokens exceed the context; or --truncate-prompts),
     prompt_error (any other refusal by the tokenizer/engine), generation_error (the engine raised
     on that row alone: a failing batch is retried in halves, so the other rows still complete),
+    time_limit (the row decoded for longer than --row-time-limit-s; the error gives the limit, the
+    time taken and the tokens produced),
     out_of_memory (out of accelerator memory: the batch is retried with half as many rows decoding
     together, down to one, then without speculation, and only a row that still does not fit alone
     gets this).
@@ -182,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", dest="top_p", type=probability, help="1.0 = off")
     gen.add_argument("--stop", nargs="+", metavar="TEXT", help="stop strings")
     gen.add_argument("--seed", type=int, help="sampling seed (ignored when greedy)")
+    gen.add_argument("--row-time-limit-s", dest="row_time_limit_s", type=positive_float, metavar="SECONDS",
+                     help="wall time a row may take from when it starts decoding; a row past it stops and goes to "
+                     "dead_letter as time_limit (default: no limit)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, help="apply the target's chat template (default: on)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction,
                      help="show a progress bar per engine call (default: when stderr is a terminal)")
@@ -209,6 +215,13 @@ def non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -350,6 +363,7 @@ def job_spec(options: dict):
             chat=bool(options["chat"]),
             truncate_prompts=bool(options["truncate_prompts"]),
             progress=bool(options["progress"]),
+            row_time_limit_s=None if options["row_time_limit_s"] is None else float(options["row_time_limit_s"]),
         ),
         rows_per_call=int(options["rows_per_call"]),
         batch_scope=options["batch_scope"],

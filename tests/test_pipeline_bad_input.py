@@ -199,6 +199,34 @@ def test_out_of_memory_halves_the_batch_then_drops_speculation_then_dead_letters
     assert str(a) in {m["shard"] for m in metrics.values()} and str(b) in {m["shard"] for m in metrics.values()}
 
 
+def test_rows_past_the_time_limit_go_to_dead_letter(tiny_model, tmp_path):
+    """A limit far below one decoding round: every row still decoding after its first round
+    stops there and goes to dead_letter as time_limit, its message giving the limit, the time
+    taken and the tokens produced; a row that finished in that round is a normal generation.
+    A generous limit changes nothing."""
+    from dspark.schedulers import DEFAULT_MAX_DEPTH
+
+    texts = {f"t{i}": sentence(900 + i, 10) for i in range(5)}
+    write_shard(tmp_path / "t.parquet", [{"id": k, "text": v} for k, v in texts.items()])
+    args = base_args(tiny_model, tmp_path / "out", str(tmp_path / "t.parquet")) + ["--max-new-tokens", "40"]
+    cli.run(args + ["--row-time-limit-s", "1e-6"])
+    dead = {d["id"]: d for d in read_folder(tmp_path / "out", "dead_letter")}
+    engine = DSparkGenerator.from_names(str(tiny_model), drafter="ngram", scheduler="dspark", dtype="float32", max_batch_size=4)
+    unlimited = dict(zip(texts, engine.generate(list(texts.values()), max_new_tokens=40)))
+    long_rows = {k for k, r in unlimited.items() if r.num_output_tokens > DEFAULT_MAX_DEPTH + 1}
+    assert long_rows and long_rows <= set(dead)  # more tokens than one round can give: cut by the limit
+    for d in dead.values():
+        assert d["error_type"] == ErrorType.TIME_LIMIT
+        assert d["error"].startswith("row time limit 1e-06 s reached after ") and " token(s) generated" in d["error"]
+    gens = read_folder(tmp_path / "out", "generations")
+    assert sorted([g["id"] for g in gens] + list(dead)) == sorted(texts)
+    assert all(g["finish_reason"] != "time_limit" for g in gens)
+
+    cli.run(args + ["--row-time-limit-s", "600", "--output", str(tmp_path / "out2")])
+    assert read_folder(tmp_path / "out2", "dead_letter") == []
+    assert {g["id"]: g["output"] for g in read_folder(tmp_path / "out2", "generations")} == {k: r.text for k, r in unlimited.items()}
+
+
 # --- file level --------------------------------------------------------------------------
 def good_shard(path: Path, n: int = 3) -> Path:
     return write_shard(path, [{"id": f"{path.stem}-{i}", "text": sentence(i)} for i in range(n)])

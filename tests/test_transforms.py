@@ -370,3 +370,27 @@ def test_out_of_memory_in_a_half_after_a_plain_error_still_halves():
     tried = []
     plain = call_with_fallbacks(lambda items, attempt: tried.append(attempt) or 1 / 0, ["x"], Attempt(4))
     assert isinstance(plain[0], ZeroDivisionError) and tried == [Attempt(1)]
+
+
+def test_time_limit_is_a_flag_and_a_config_key(tmp_path):
+    options, _ = cli.resolve_options(["--row-time-limit-s", "2.5"])
+    assert cli.job_spec(options).decode.row_time_limit_s == 2.5
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("row_time_limit_s: 30\n")
+    options, _ = cli.resolve_options(["--config", str(cfg)])
+    assert cli.job_spec(options).decode.row_time_limit_s == 30.0
+    assert cli.job_spec(cli.resolve_options([])[0]).decode.row_time_limit_s is None
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            cli.resolve_options(["--row-time-limit-s", bad])
+
+
+def test_time_limit_letter_names_limit_time_and_tokens():
+    from types import SimpleNamespace
+
+    from transforms.generation import time_limit_kwargs, time_limit_letter
+
+    letter = time_limit_letter(PromptRow("s.parquet", "r1", "p", {}), SimpleNamespace(latency_s=0.71234, num_output_tokens=3), 0.5)
+    assert (letter.id, letter.shard, letter.error_type) == ("r1", "s.parquet", "time_limit")
+    assert letter.error == "row time limit 0.5 s reached after 0.712 s with 3 token(s) generated (--row-time-limit-s)"
+    assert time_limit_kwargs(None) == {} and time_limit_kwargs(2.0) == {"time_limit_s": 2.0}

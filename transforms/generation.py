@@ -74,6 +74,7 @@ class DecodeSpec:
     chat: bool = True
     truncate_prompts: bool = False
     progress: bool = False
+    row_time_limit_s: float | None = None  # per row, from when it starts decoding; None = no limit
 
 
 def build_generator(spec: EngineSpec):
@@ -164,6 +165,21 @@ def call_with_fallbacks(
         return call_with_fallbacks(call, items[:middle], attempt, on_retry) + call_with_fallbacks(
             call, items[middle:], attempt, on_retry
         )
+
+
+def time_limit_kwargs(limit_s: float | None) -> dict[str, float]:
+    """Passed only when set, so a job without a limit runs on engines that predate it."""
+    return {} if limit_s is None else {"time_limit_s": limit_s}
+
+
+def time_limit_letter(row: PromptRow, result: Any, limit_s: float | None) -> DeadLetter:
+    """A row the engine stopped at the time limit: its partial output is not a generation."""
+    limit = f"{limit_s:g} s" if limit_s is not None else "the time limit"
+    return DeadLetter(
+        row.id, row.shard, ErrorType.TIME_LIMIT,
+        f"row time limit {limit} reached after {float(result.latency_s):.3f} s with "
+        f"{int(result.num_output_tokens)} token(s) generated (--row-time-limit-s)",
+    )
 
 
 def failure_error_type(exc: BaseException) -> str:
@@ -313,6 +329,7 @@ class GenerateBatchDoFn(beam.DoFn):
                         seed=d.seed,
                         chat=d.chat,
                         progress=d.progress,
+                        **time_limit_kwargs(d.row_time_limit_s),
                     )
 
         def on_retry(kind: str, size: int, attempt: Attempt, exc: BaseException) -> None:
@@ -358,6 +375,9 @@ class GenerateBatchDoFn(beam.DoFn):
                 dead.append(
                     DeadLetter(item.row.id, item.row.shard, failure_error_type(result), clip(f"{type(result).__name__}: {result}"))
                 )
+                continue
+            if getattr(result, "finish_reason", None) == "time_limit":
+                dead.append(time_limit_letter(item.row, result, self.decode.row_time_limit_s))
                 continue
             record = self._record(item, result)
             tokens_by_shard[record.shard] = tokens_by_shard.get(record.shard, 0) + record.num_output_tokens
