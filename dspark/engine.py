@@ -36,6 +36,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    time_limit_s: float | None = None  # wall time from admission; past it the row stops early
     # filled in by the engine
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -79,7 +80,11 @@ class SpeculativeEngine:
             req.t_admit = now
             gen = None
             if not req.sampling.greedy:
-                gen = torch.Generator(device="cpu").manual_seed(req.seed if req.seed is not None else req.index)
+                gen = torch.Generator(device="cpu")
+                if req.seed is not None:
+                    gen.manual_seed(req.seed)
+                else:
+                    gen.seed()  # no seed asked for: a fresh random one
             dreq = DraftRequest(req.index, list(req.prompt_ids), req.sampling, state={"generator": gen})
             prompt_hidden = None
             if hidden is not None:
@@ -163,6 +168,15 @@ class SpeculativeEngine:
                 req.t_done = now
                 return
 
+    @staticmethod
+    def _enforce_time_limits(active: list[tuple[Request, DraftRequest]]) -> None:
+        # checked between rounds: a row overshoots its limit by at most one round
+        now = time.perf_counter()
+        for req, _ in active:
+            if req.finish_reason is None and req.time_limit_s is not None and now - req.t_admit > req.time_limit_s:
+                req.finish_reason = "time_limit"
+                req.t_done = now
+
     def _hit_stop(self, req: Request) -> bool:
         text = self.target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         cuts = [text.find(s) for s in req.stop_strings if s and s in text]
@@ -180,6 +194,7 @@ class SpeculativeEngine:
             if queue and room > 0:
                 self._admit([queue.popleft() for _ in range(min(room, len(queue)))], active)
             self._round(active)
+            self._enforce_time_limits(active)
             finished = [r for r, _ in active if r.finish_reason is not None]
             active = self._retire(active)
             if on_finish is not None:

@@ -35,7 +35,7 @@ class GenerationResult:
     token_ids: list[int]
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str  # "eos" | "length" | "stop"
+    finish_reason: str  # "eos" | "length" | "stop" | "time_limit" (partial output)
     latency_s: float  # from the request's admission to its last token
     ttft_s: float  # from admission to its first token
     stats: RequestStats
@@ -143,23 +143,33 @@ class DSparkGenerator:
         seed: int | None = 0,
         chat: bool = True,
         progress: bool = False,
+        seeds: Sequence[int] | None = None,
+        time_limit_s: float | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (same order). Raises PromptError on an invalid prompt
-        before any generation starts; validate with `encode` to handle rows one by one."""
+        before any generation starts; validate with `encode` to handle rows one by one.
+
+        Sampling: prompt i uses `seeds[i]` when given (so a row's output does not depend on
+        which call or batch it lands in), else `seed + i`.
+        time_limit_s: per prompt, wall time from when it enters the batch; a prompt past it
+        stops with finish_reason "time_limit" and keeps the tokens produced so far."""
         if isinstance(prompts, str):
             raise TypeError("generate takes a list of prompts; wrap a single prompt in a list")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = SamplingParams(temperature, top_k, top_p)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        if time_limit_s is not None and time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
         requests, truncated = [], []
         for i, p in enumerate(prompts):
             try:
                 ids, cut = self._encode(p, chat, max_new_tokens)
             except PromptError as e:
                 raise PromptError(e.kind, f"prompt {i}: {e}") from None
-            requests.append(
-                Request(i, ids, max_new_tokens, sampling, tuple(stop or ()), None if seed is None else seed + i)
-            )
+            row_seed = int(seeds[i]) if seeds is not None else (None if seed is None else seed + i)
+            requests.append(Request(i, ids, max_new_tokens, sampling, tuple(stop or ()), row_seed, time_limit_s))
             truncated.append(cut)
         engine = SpeculativeEngine(self.target, self.drafter, self.scheduler, self.max_batch_size)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not progress)

@@ -165,3 +165,30 @@ def test_evaluate_cli_writes_the_contract(tmp_path, tiny_llama, monkeypatch):
             accepted = sum(o["stats"]["accepted"] for o in mine)
             if verified:
                 assert run["acceptance_rate"] == pytest.approx(accepted / verified)
+
+
+def test_time_limit_stops_a_row_early_and_keeps_its_tokens(tiny_llama):
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:2", max_batch_size=2)
+    free = gen.generate([[5, 6, 7], [8, 9, 10]], max_new_tokens=64)
+    [_, timed] = gen.generate([[5, 6, 7], [8, 9, 10]], max_new_tokens=64, time_limit_s=1e-9)
+    assert free[0].finish_reason == "length" and free[0].num_output_tokens == 64
+    assert timed.finish_reason == "time_limit"
+    # stopped after its first round: a prefix of the free-running (greedy) output
+    assert 1 <= timed.num_output_tokens < 64
+    assert free[1].token_ids[: timed.num_output_tokens] == timed.token_ids
+    with pytest.raises(ValueError):
+        gen.generate(["hi"], time_limit_s=0)
+
+
+def test_per_prompt_seeds_make_sampling_independent_of_batching(tiny_llama):
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    seeds = [101, 202, 303, 404]
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:3", max_batch_size=4)
+    together = gen.generate(prompts, max_new_tokens=12, temperature=1.0, seeds=seeds)
+    one_by_one = [
+        DSparkGenerator(tiny_llama, "ngram", "fixed:3", max_batch_size=1).generate([p], max_new_tokens=12, temperature=1.0, seeds=[s])[0]
+        for p, s in zip(prompts, seeds)
+    ]
+    assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one]
+    other = gen.generate(prompts, max_new_tokens=12, temperature=1.0, seeds=[s + 1 for s in seeds])
+    assert [r.token_ids for r in other] != [r.token_ids for r in together]
