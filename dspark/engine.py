@@ -45,6 +45,9 @@ class Request:
     t_first: float | None = None
     t_done: float = 0.0
     stop_text_len: int | None = None  # text cut point when a stop string matched
+    # draft back-off: rounds in a row whose draft got no verify budget, and rounds left to skip
+    idle_streak: int = 0
+    skip_drafting: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -62,8 +65,13 @@ class SpeculativeEngine:
         drafter: Drafter,
         scheduler: Scheduler,
         max_batch_size: int = 8,
+        max_draft_backoff: int = 8,
     ) -> None:
         self.target = target
+        # A row whose drafts the scheduler keeps pruning to nothing stops drafting for 1, 2,
+        # 4 ... (at most this many) rounds: an expensive drafter then costs ~nothing where it
+        # does not help. Decided from past rounds only, so it never affects what is sampled.
+        self.max_draft_backoff = max_draft_backoff
         self.drafter = drafter
         self.scheduler = scheduler
         self.max_batch_size = max_batch_size
@@ -114,13 +122,44 @@ class SpeculativeEngine:
                 out.append(tree.subset(top_survival_nodes(tree, budget)))
         return out
 
+    def _propose(self, active: list[tuple[Request, DraftRequest]], depth: int) -> list[DraftTree]:
+        trees = [DraftTree() for _ in active]
+        if depth <= 0:
+            return trees
+        rows = []
+        for i, (req, _) in enumerate(active):
+            if req.skip_drafting > 0:
+                req.skip_drafting -= 1
+            else:
+                rows.append(i)
+        if rows and not getattr(self.drafter, "drafts_row_subsets", True):
+            rows = list(range(len(active)))
+        if rows:
+            for i, tree in zip(rows, self.drafter.propose([active[i][1] for i in rows], depth)):
+                trees[i] = tree
+        return trees
+
+    def _update_backoff(self, active: list[tuple[Request, DraftRequest]], drafted: list[DraftTree], scheduled: list[DraftTree]) -> None:
+        if self.max_draft_backoff <= 0:
+            return
+        for (req, _), full, kept in zip(active, drafted, scheduled):
+            if len(full) == 0:
+                continue  # skipped or nothing to propose: no evidence either way
+            if len(kept) > 0:
+                req.idle_streak = 0
+            else:
+                req.idle_streak += 1
+                if req.idle_streak >= 2:
+                    req.skip_drafting = min(2 ** (req.idle_streak - 2), self.max_draft_backoff)
+
     def _round(self, active: list[tuple[Request, DraftRequest]]) -> None:
         dreqs = [d for _, d in active]
         t0 = time.perf_counter()
         depth = self.scheduler.max_depth
-        drafted = self.drafter.propose(dreqs, depth) if depth > 0 else [DraftTree() for _ in dreqs]
+        drafted = self._propose(active, depth)
         t1 = time.perf_counter()
         trees = self._schedule(drafted)
+        self._update_backoff(active, drafted, trees)
         blocks = [([d.token_ids[-1]] + t.tokens, [-1] + [p + 1 for p in t.parents]) for d, t in zip(dreqs, trees)]
         out = self.runner.forward_block(blocks)
         logits = out.logits[..., : self.vocab]

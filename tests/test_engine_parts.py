@@ -192,3 +192,34 @@ def test_per_prompt_seeds_make_sampling_independent_of_batching(tiny_llama):
     assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one]
     other = gen.generate(prompts, max_new_tokens=12, temperature=1.0, seeds=[s + 1 for s in seeds])
     assert [r.token_ids for r in other] != [r.token_ids for r in together]
+
+
+class _HopelessDrafter(NgramDrafter):
+    """Always proposes a chain, always with confidence 0: a threshold scheduler prunes it all."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, requests, max_depth):
+        from dspark.tree import DraftTree
+
+        self.calls += 1
+        return [DraftTree.chain([7] * max_depth, [0.0] * max_depth) for _ in requests]
+
+
+@pytest.mark.parametrize("backoff", [0, 8])
+def test_drafting_backs_off_where_the_scheduler_verifies_nothing(tiny_llama, backoff):
+    from dspark.engine import Request, SpeculativeEngine
+
+    drafter = _HopelessDrafter()
+    gen = DSparkGenerator(tiny_llama, drafter, "threshold:0.5")
+    engine = SpeculativeEngine(tiny_llama, drafter, gen.scheduler, max_batch_size=1, max_draft_backoff=backoff)
+    [req] = engine.run([Request(0, [5, 6, 7], max_new_tokens=40)])
+    [plain] = DSparkGenerator(tiny_llama, None, "ar").generate([[5, 6, 7]], max_new_tokens=40)
+    assert req.output_ids == plain.token_ids  # skipping drafts never changes the output
+    if backoff == 0:
+        assert drafter.calls == 40  # one token per round, a draft every round
+    else:
+        # drafts at rounds 1, 2, then after skips of 1, 2, 4, 8, 8, 8: 8 drafts in 40 rounds
+        assert drafter.calls == 8

@@ -46,6 +46,9 @@ class Drafter(Protocol):
     # Indices into the target's `hidden_states` tuple (0 = embeddings, i = output of layer i)
     # the drafter wants for committed tokens; empty if it needs none.
     target_layers: tuple[int, ...]
+    # False when `propose` must always see every active request (e.g. a drafter whose own
+    # batched cache is aligned to the engine's rows); the engine then drafts all or none.
+    drafts_row_subsets: bool
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
         """A request joined. `prompt_hidden`: target states of token_ids[:-1], if asked for."""
@@ -66,6 +69,7 @@ class DrafterBase:
 
     name = "base"
     target_layers: tuple[int, ...] = ()
+    drafts_row_subsets = True
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
         return None

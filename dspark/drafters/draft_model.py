@@ -20,6 +20,7 @@ from dspark.tree import DraftTree
 
 class DraftModelDrafter(DrafterBase):
     name = "draft-model"
+    drafts_row_subsets = False  # its KV cache rows follow the engine's active rows
 
     def __init__(self, draft: TargetModel, target: TargetModel | None = None) -> None:
         if target is not None and draft.tokenizer_hash() != target.tokenizer_hash():
