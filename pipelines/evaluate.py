@@ -26,6 +26,7 @@ import platform
 import shlex
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(dev)
 
-    runs, phases = [], []
+    runs, phases, failures = [], [], []
     t0 = time.perf_counter()
     sampler = UtilizationSampler(interval_s=args.sample_interval, device=dev).start()
     soak_result = None
@@ -319,46 +320,54 @@ def main(argv: list[str] | None = None) -> int:
         def tick(phase: str):
             return lambda m: bar.update(task, advance=1, description=f"{phase} [{m}]")
 
-        def phase(name: str) -> None:
+        def phase(name: str, fn) -> list:
+            """Run one phase; a failure is recorded and the next phases still run (a long run
+            keeps what it measured), and the command exits with status 1."""
             phases.append({"name": name, "start_s": time.perf_counter() - t0})
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - reported in report.md and the exit status
+                failures.append({"phase": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+                console.print(f"[red]phase {name} failed:[/red] {type(e).__name__}: {e}")
+                return []
 
         for sc in scenarios:
-            phase(f"compare:{sc.name}")
-            runs += run_benchmark(target, prompts[sc.name], methods, batch_sizes, sc.max_new_tokens, make_generator,
-                                  tick(f"{sc.name}"), scenario=sc.name)
+            runs += phase(f"compare:{sc.name}", lambda sc=sc: run_benchmark(
+                target, prompts[sc.name], methods, batch_sizes, sc.max_new_tokens, make_generator, tick(sc.name), scenario=sc.name))
         if args.seeds:
-            phase("sampling")
-        for r in range(args.seeds):
-            runs += run_benchmark(target, sample_prompts, sampling_methods, [sample_bs], sample_mnt, make_generator,
-                                  tick(f"sampling seed {r}"), sampling=sampling, seed=args.seed + 100_000 * r,
-                                  seed_index=r, scenario=sample_sc.name, phase="sampling")
+            runs += phase("sampling", lambda: [run for r in range(args.seeds) for run in run_benchmark(
+                target, sample_prompts, sampling_methods, [sample_bs], sample_mnt, make_generator, tick(f"sampling seed {r}"),
+                sampling=sampling, seed=args.seed + 100_000 * r, seed_index=r, scenario=sample_sc.name, phase="sampling")])
         if thresholds:
-            phase("threshold_sweep")
-            runs += run_benchmark(target, sweep_prompts, sweep_methods, [args.sweep_batch_size], args.sweep_max_new_tokens,
-                                  make_generator, tick("threshold sweep"), scenario=sweep_sc.name, phase="threshold_sweep")
+            runs += phase("threshold_sweep", lambda: run_benchmark(
+                target, sweep_prompts, sweep_methods, [args.sweep_batch_size], args.sweep_max_new_tokens, make_generator,
+                tick("threshold sweep"), scenario=sweep_sc.name, phase="threshold_sweep"))
         if load_bs:
-            phase("load_sweep")
-            runs += run_benchmark(target, load_prompts_, load_methods, load_bs, args.sweep_max_new_tokens,
-                                  make_generator, tick("load sweep"), scenario=sweep_sc.name, phase="load_sweep")
+            runs += phase("load_sweep", lambda: run_benchmark(
+                target, load_prompts_, load_methods, load_bs, args.sweep_max_new_tokens, make_generator,
+                tick("load sweep"), scenario=sweep_sc.name, phase="load_sweep"))
         if args.soak_minutes > 0:
-            phase("soak")
-            soak_task = bar.add_task(f"soak ({args.soak_minutes:g} min)", total=args.soak_minutes * 60)
-            enc = [target.encode(p.text) for p in prompts[soak_sc.name]]
-            gens = {m: make_generator(m, soak_bs) for m in soak_methods}
-            chunks = [enc[i : i + soak_bs] for i in range(0, len(enc), soak_bs)]
-            workload = [
-                (lambda g=g, c=c: [r.token_ids for r in g.generate(c, max_new_tokens=soak_mnt)]) for g in gens.values() for c in chunks
-            ]
-            soak_t0 = time.perf_counter()
-            soak_result = run_soak(args.soak_minutes, workload, dev, on_step=lambda res: bar.update(
-                soak_task, completed=min(args.soak_minutes * 60, time.perf_counter() - soak_t0),
-                description=f"soak: {res.iterations} passes, {res.errors} errors"))
+
+            def soak():
+                soak_task = bar.add_task(f"soak ({args.soak_minutes:g} min)", total=args.soak_minutes * 60)
+                enc = [target.encode(p.text) for p in prompts[soak_sc.name]]
+                gens = {m: make_generator(m, soak_bs) for m in soak_methods}
+                chunks = [enc[i : i + soak_bs] for i in range(0, len(enc), soak_bs)]
+                workload = [
+                    (lambda g=g, c=c: [r.token_ids for r in g.generate(c, max_new_tokens=soak_mnt)]) for g in gens.values() for c in chunks
+                ]
+                soak_t0 = time.perf_counter()
+                return [run_soak(args.soak_minutes, workload, dev, on_step=lambda res: bar.update(
+                    soak_task, completed=min(args.soak_minutes * 60, time.perf_counter() - soak_t0),
+                    description=f"soak: {res.iterations} passes, {res.errors} errors"))]
+
+            soak_result = (phase("soak", soak) or [None])[0]
     report = sampler.stop()
     elapsed = time.perf_counter() - t0
 
     # --- summaries --------------------------------------------------------------------------
     by_phase = lambda name: [r for r in runs if r.phase == name]  # noqa: E731
-    results: dict = {"settings": {}, "runs": summarise(by_phase("compare"), references)}
+    results: dict = {"settings": {}, "runs": summarise(by_phase("compare"), references), "failures": failures}
     if args.seeds:
         results["sampling"] = sampling_summary(by_phase("sampling"), references)
         results["sampling"]["params"] = {"temperature": sampling.temperature, "top_k": sampling.top_k,
@@ -429,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                       f(r["correction_rate"], ".0%"), f(r["p50_latency_s"], ".2f"), f(r["p99_latency_s"], ".2f"))
     Console().print(table)
     console.print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {out / 'outputs.jsonl'}")
-    return 0
+    if failures:
+        console.print(f"[red]{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)[/red]")
+    return 1 if failures else 0
 
 
 def _json_default(obj):

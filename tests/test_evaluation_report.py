@@ -88,7 +88,7 @@ def report(tmp_path_factory, smol_tokenizer):
     results = json.loads((out / "results.json").read_text())
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     refs = {p.id: p.reference for p in load_prompt_files(files) if p.reference}
-    return {"dir": out, "results": results, "outputs": outputs, "refs": refs, "argv": argv, "md": (out / "report.md").read_text()}
+    return {"tmp": tmp, "files": files, "dir": out, "results": results, "outputs": outputs, "refs": refs, "argv": argv, "md": (out / "report.md").read_text()}
 
 
 def _mine(outputs, phase, method, bs, seed_index=None):
@@ -298,3 +298,22 @@ def test_soak_counts_errors_and_goes_on(tiny_llama):
     assert res.iterations >= 1 and res.errors == res.iterations and res.requests == res.iterations
     assert res.error_messages[0].startswith("PromptError") and res.changed_outputs == 0
     assert len(res.samples) == 2 * res.iterations and not math.isnan(res.samples[-1].rss_bytes)
+
+
+def test_a_failing_phase_is_reported_and_the_rest_still_runs(report):
+    """A threshold sweep asking for more tokens than the context holds fails; the comparison
+    and the soak after it are still written, and the exit status says something failed."""
+    from pipelines import evaluate
+
+    out = report["tmp"] / "failing"
+    rc = evaluate.main([
+        "--prompts", str(report["files"][0]), "--limit", "2", "--out", str(out), "--methods", "hf,ar",
+        "--max-new-tokens", "4", "--target", str(report["tmp"] / "model"), "--dtype", "float32",
+        "--thresholds", "0.5", "--sweep-max-new-tokens", "5000", "--soak-minutes", "0.005", "--soak-methods", "ar",
+    ])
+    assert rc == 1
+    res = json.loads((out / "results.json").read_text())
+    assert [f["phase"] for f in res["failures"]] == ["threshold_sweep"]
+    assert "PromptError" in res["failures"][0]["error"]
+    assert len(res["runs"]) == 2 and res["soak"]["requests"] >= 2 and not res["threshold_sweep"]
+    assert "## Failed phases" in (out / "report.md").read_text()

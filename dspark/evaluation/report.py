@@ -155,6 +155,9 @@ def _category_rows(runs: list[dict]) -> list[dict]:
 def render_markdown(results: dict, plots: dict[str, str]) -> str:
     s = results["settings"]
     parts = [f"# DSpark evaluation report: {s.get('target')} on {s.get('device')}", header_section(s)]
+    if results.get("failures"):
+        parts += ["## Failed phases", "These phases stopped with an error; the sections below lack their results.",
+                  "\n".join(f"- {f['phase']}: `{f['error']}`" for f in results["failures"])]
 
     def img(key: str, alt: str) -> None:
         if key in plots:
@@ -176,7 +179,7 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     img("latency", "latency distributions")
 
     sampling = results.get("sampling")
-    if sampling:
+    if sampling and sampling.get("methods"):
         parts += ["## Sampling", sampling_text(sampling), sampling_table(sampling)]
         img("sampling", "sampled output distributions")
 
@@ -186,7 +189,7 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         img("threshold_sweep", "threshold sweep")
 
     load = results.get("load_sweep")
-    if load:
+    if load and load.get("rows"):
         parts += ["## Load sweep", "Tokens/s and mean verify budget per row and round as the batch grows "
                   "(paper Figure 8: the budget should fall with load and `dspark` stay at or above every fixed K).",
                   _table(load["rows"], [("method", "method", None), ("batch", "batch_size", "d")] + SWEEP_COLUMNS)]
@@ -238,6 +241,7 @@ def resources_table(res: dict) -> str:
         ["target tensors MiB", fmt(res.get("target_tensor_bytes"), "MiB")],
         ["CPU utilisation (mean)", fmt(res.get("cpu_util_mean"), "%")],
         ["GPU utilisation (NVML mean)", fmt(res.get("gpu_util_mean"), "%")],
+        ["GPU memory used, peak (NVML) MiB", fmt(res.get("gpu_mem_peak_bytes"), "MiB")],
     ]
     cuda = res.get("cuda") or {}
     rows += [
@@ -335,7 +339,7 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
         plots["latency"] = _save(fig, out_dir, "latency")
 
     sampling = results.get("sampling")
-    if sampling:
+    if sampling and sampling.get("methods"):
         fig, ax = plt.subplots(figsize=(7, 4))
         names = list(sampling["methods"])
         for k, name in enumerate(names):
@@ -357,7 +361,7 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
         plots["threshold_sweep"] = _save(fig, out_dir, "threshold_sweep")
 
     load = results.get("load_sweep")
-    if load:
+    if load and load.get("rows"):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for m in dict.fromkeys(r["method"] for r in load["rows"]):
             rs = sorted((r for r in load["rows"] if r["method"] == m), key=lambda r: r["batch_size"])
