@@ -128,6 +128,8 @@ def test_compare_rows_match_outputs(report):
             verified = sum(o["stats"]["verified"] for o in mine)
             rounds = sum(o["stats"]["rounds"] for o in mine)
             assert run["mean_verify_budget"] == pytest.approx(verified / rounds)
+            per_request = [o["stats"]["verified"] / o["stats"]["rounds"] for o in mine]
+            assert run["mean_request_verify_budget"] == pytest.approx(np.mean(per_request))
         assert set(run["by_category"]) == {"summarization", "dialogue"}
         for cat, s in run["by_category"].items():
             outs = [o for o in mine if o["category"] == cat]
@@ -223,6 +225,12 @@ def test_report_markdown_and_plots(report):
     assert float(lat[0]["p90 s"]) == pytest.approx(res["runs"][0]["p90_latency_s"], abs=6e-4)
     sweep = parse_md_table(md, "## Threshold sweep")
     assert [float(r["budget"]) for r in sweep] == pytest.approx([r["mean_verify_budget"] for r in res["threshold_sweep"]], abs=6e-4)
+    targets = {r["check"]: r for r in parse_md_table(md, "## Plan targets")}
+    for run in res["runs"]:
+        if run["method"] != "hf":
+            row = targets[f"correction rate: {run['scenario']} {run['method']} batch {run['batch_size']}"]
+            assert row["met"] == ("yes" if run["correction_rate"] < 0.15 else "no")
+    assert targets["CUDA fragmentation at peak"]["met"] == "-"  # no GPU
     soak = dict((r["soak"], r["value"]) for r in parse_md_table(md, "## Soak"))
     assert int(soak["errors"]) == res["soak"]["errors"] and int(soak["requests"]) == res["soak"]["requests"]
     expected = {"speedup_by_category", "tau_acceptance_by_category", "latency", "sampling", "threshold_sweep", "load_sweep", "memory", "soak"}

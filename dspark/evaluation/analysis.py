@@ -67,6 +67,7 @@ def sampling_summary(runs: list[Run], references: dict[str, str] | None = None, 
 SWEEP_KEYS = (
     "tokens_per_s",
     "mean_verify_budget",
+    "mean_request_verify_budget",
     "mean_accepted_length",
     "acceptance_rate",
     "correction_rate",

@@ -99,6 +99,7 @@ LATENCY_COLUMNS = [
 SWEEP_COLUMNS = [
     ("tok/s", "tokens_per_s", ".2f"),
     ("budget", "mean_verify_budget", ".3f"),
+    ("budget per request", "mean_request_verify_budget", ".3f"),
     ("tau", "mean_accepted_length", ".3f"),
     ("accept", "acceptance_rate", "%"),
     ("correct", "correction_rate", "%"),
@@ -200,6 +201,8 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
                 ("at or above every fixed K", "at_or_above_every_fixed", "b")])]
         img("load_sweep", "load sweep")
 
+    parts += ["## Plan targets", "The evaluation plan's monitoring targets: correction rate < 15 % per method "
+              "(greedy comparison), CUDA memory fragmentation < 5 % (GPU only).", targets_table(results)]
     parts += ["## Resources", resources_table(results.get("resources") or {})]
     img("memory", "memory over the run")
 
@@ -233,6 +236,22 @@ def sampling_table(sampling: dict) -> str:
         ])
     return md_table(["method", "batch", "seeds", "output tokens", "ROUGE-L vs ref", "BLEU vs ref", "tok/s",
                      "overlap with hf", "p (length)", "p (ROUGE-L)"], rows)
+
+
+CORRECTION_TARGET = 0.15
+FRAGMENTATION_TARGET = 0.05
+
+
+def targets_table(results: dict) -> str:
+    rows = []
+    for r in results.get("runs") or []:
+        c = r.get("correction_rate")
+        if c is not None:
+            rows.append([f"correction rate: {r['scenario']} {r['method']} batch {r['batch_size']}", fmt(c, "%"),
+                         "< 15%", "yes" if c < CORRECTION_TARGET else "no"])
+    frag = ((results.get("resources") or {}).get("cuda") or {}).get("peak_fragmentation")
+    rows.append(["CUDA fragmentation at peak", fmt(frag, "%"), "< 5%", "-" if frag is None else ("yes" if frag < FRAGMENTATION_TARGET else "no")])
+    return md_table(["check", "value", "target", "met"], rows)
 
 
 def resources_table(res: dict) -> str:
