@@ -303,7 +303,8 @@ def test_help_explains_outputs_and_bad_input(capsys):
         cli.resolve_options(["--help"])
     out = capsys.readouterr().out
     for needle in ["generations/", "shard_metrics/", "dead_letter/", "run_summary.json", "--skip-bad-files",
-                   "prompt_too_long", "--sdk_container_image", "worker_accelerator", "--config"]:
+                   "prompt_too_long", "--sdk_container_image", "worker_accelerator", "--config", "--resume",
+                   "_complete/", "out_of_memory", "time_limit", "--row-time-limit-s"]:
         assert needle in out, needle
 
 
