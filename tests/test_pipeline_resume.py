@@ -123,7 +123,7 @@ def test_resume_with_everything_complete_loads_no_model(tiny_model, tmp_path):
     assert read_summary(out)["resume"]["files_already_complete"] == 1
 
 
-def test_resume_refuses_outputs_of_other_settings_and_a_plain_rerun_replaces_them(tiny_model, tmp_path):
+def test_resume_refuses_outputs_of_other_settings_and_a_plain_rerun_replaces_them(tiny_model, tmp_path, capsys):
     write_shard(tmp_path / "a.parquet", [{"id": f"a{i}", "text": sentence(i)} for i in range(2)])
     write_shard(tmp_path / "b.parquet", [{"id": "b0", "text": sentence(5)}])
     out = tmp_path / "out"
@@ -131,6 +131,8 @@ def test_resume_refuses_outputs_of_other_settings_and_a_plain_rerun_replaces_the
     cli.run(args)
     with pytest.raises(O.ResumeError, match=r"decode.max_new_tokens: 6 -> 3"):
         cli.run(args + ["--max-new-tokens", "3", "--resume"], generator_factory=never_load)
+    assert cli.main(args + ["--max-new-tokens", "3", "--resume"]) == 2  # the CLI: a message, exit status 2
+    assert "error: --resume: the outputs of" in capsys.readouterr().err
     cli.run(args + ["--max-new-tokens", "3", "--limit-per-shard", "1"])  # no --resume: everything replaced
     assert sorted(g["id"] for g in read_folder(out, "generations")) == ["a0", "b0"]
     assert all(g["num_output_tokens"] <= 3 for g in read_folder(out, "generations"))
