@@ -14,6 +14,7 @@ continuous batching full when shards are small; call times are then apportioned 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,7 +77,7 @@ def unit_identities(pre: Preflight) -> dict[str, dict]:
     return units
 
 
-def keyed(folder: str):
+def keyed(folder: str) -> Callable[[dict], tuple[str, tuple[str, dict]]]:
     """row -> (its input file, (folder, row)): what the per-file writer groups on."""
     return lambda row: (row["shard"], (folder, row))
 
