@@ -221,6 +221,8 @@ def test_rows_past_the_time_limit_go_to_dead_letter(tiny_model, tmp_path):
     gens = read_folder(tmp_path / "out", "generations")
     assert sorted([g["id"] for g in gens] + list(dead)) == sorted(texts)
     assert all(g["finish_reason"] != "time_limit" for g in gens)
+    [metrics] = read_folder(tmp_path / "out", "shard_metrics")
+    assert (metrics["num_ok"], metrics["num_failed"]) == (len(gens), len(dead))
 
     cli.run(args + ["--row-time-limit-s", "600", "--output", str(tmp_path / "out2")])
     assert read_folder(tmp_path / "out2", "dead_letter") == []
