@@ -229,6 +229,20 @@ def test_rows_past_the_time_limit_go_to_dead_letter(tiny_model, tmp_path):
     assert {g["id"]: g["output"] for g in read_folder(tmp_path / "out2", "generations")} == {k: r.text for k, r in unlimited.items()}
 
 
+def test_sampled_rows_do_not_depend_on_their_place_in_an_engine_call(tiny_model, tmp_path):
+    """Sampling with per-row seeds: the same rows in calls of 5 and of 2 (and so at other
+    positions, as after a halving retry or on --resume) give the same sampled outputs."""
+    write_shard(tmp_path / "s.parquet", [{"id": f"s{i}", "text": sentence(950 + i)} for i in range(6)])
+    outputs = []
+    for k, per_call in enumerate(["5", "2"]):
+        out = tmp_path / f"out{k}"
+        cli.run(base_args(tiny_model, out, str(tmp_path / "s.parquet"))
+                + ["--temperature", "1.0", "--scheduler", "ar", "--rows-per-call", per_call, "--seed", "7"])
+        outputs.append({g["id"]: g["output"] for g in read_folder(out, "generations")})
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+    assert len(set(outputs[0].values())) > 1
+
+
 # --- file level --------------------------------------------------------------------------
 def good_shard(path: Path, n: int = 3) -> Path:
     return write_shard(path, [{"id": f"{path.stem}-{i}", "text": sentence(i)} for i in range(n)])

@@ -19,6 +19,7 @@ rows decode together). Failures are handled per call (`call_with_fallbacks`):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -165,6 +166,14 @@ def call_with_fallbacks(
         return call_with_fallbacks(call, items[:middle], attempt, on_retry) + call_with_fallbacks(
             call, items[middle:], attempt, on_retry
         )
+
+
+def row_seed(seed: int, row: PromptRow) -> int:
+    """The row's own sampling seed (from the job's seed, its shard and id): a sampled row's
+    output then does not depend on its place in an engine call, so halving retries and
+    --resume give it the same draws."""
+    key = f"{seed}|{row.shard}|{row.id!r}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def time_limit_kwargs(limit_s: float | None) -> dict[str, float]:
@@ -327,6 +336,7 @@ class GenerateBatchDoFn(beam.DoFn):
                         top_p=d.top_p,
                         stop=list(d.stop) or None,
                         seed=d.seed,
+                        seeds=[row_seed(d.seed, e.row) for e in part],
                         chat=d.chat,
                         progress=d.progress,
                         **time_limit_kwargs(d.row_time_limit_s),
