@@ -309,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(dev)
 
+    # the dspark scheduler's view of the hardware: shown because a table profiled on a busy
+    # machine makes it verify too little (DSPARK_REPROFILE=1 measures again)
+    cost_table = None
+    if any(split_method(m, drafter)[0].split(":")[0] == "dspark" for m in all_engine):
+        from dspark.cost_model import load_or_profile
+
+        t = load_or_profile(target)
+        cost_table = ", ".join(f"{n}: {1000 * sec:.1f} ms" for n, sec in zip(t.tokens, t.seconds))
+
     runs, phases, failures = [], [], []
     t0 = time.perf_counter()
     sampler = UtilizationSampler(interval_s=args.sample_interval, device=dev).start()
@@ -399,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "dtype": str(target.dtype).replace("torch.", ""),
         "drafters": drafter_specs,
+        "cost_table": cost_table,  # target forward time per number of tokens (dspark scheduler)
         "scenarios": {sc.name: f"{len(prompts[sc.name])} prompts from {', '.join(Path(f).name for f in sc.prompts)}, "
                       f"{sc.max_new_tokens} new tokens" for sc in scenarios},
         "methods": methods,

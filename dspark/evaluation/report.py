@@ -125,7 +125,7 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str | None]]) -> str:
 def header_section(settings: dict) -> str:
     keys = [
         ("date", "date"), ("machine", "machine"), ("device", "device"), ("target", "target"),
-        ("target parameters", "target_parameters"), ("dtype", "dtype"), ("drafters", "drafters"),
+        ("target parameters", "target_parameters"), ("dtype", "dtype"), ("drafters", "drafters"), ("cost table (tokens: forward time)", "cost_table"),
         ("scenarios", "scenarios"), ("methods", "methods"), ("batch sizes", "batch_sizes"),
         ("sampling", "sampling"), ("threshold sweep", "thresholds"), ("load sweep", "load_sweep"),
         ("soak", "soak"), ("versions", "versions"), ("elapsed", "elapsed_s"),
@@ -246,7 +246,7 @@ def targets_table(results: dict) -> str:
     rows = []
     for r in results.get("runs") or []:
         c = r.get("correction_rate")
-        if c is not None:
+        if c is not None and r.get("mean_verify_budget"):  # nothing verified: no rate to judge
             rows.append([f"correction rate: {r['scenario']} {r['method']} batch {r['batch_size']}", fmt(c, "%"),
                          "< 15%", "yes" if c < CORRECTION_TARGET else "no"])
     frag = ((results.get("resources") or {}).get("cuda") or {}).get("peak_fragmentation")
