@@ -65,27 +65,33 @@ SHARDS = st.lists(
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(shards=SHARDS, data=st.data())
-def test_property_resume_after_a_crash_keeps_every_row_exactly_once(tiny_model, tmp_path_factory, shards, data):
-    """In-process FnApiRunner: shards mixing good and bad rows (and rows the engine fails on);
-    the job crashes after n shards are complete with the next one half written; --resume
-    finishes it with every input row exactly once in generations or dead_letter."""
+@given(shards=SHARDS, bad_file=st.booleans(), data=st.data())
+def test_property_resume_after_a_crash_keeps_every_row_exactly_once(tiny_model, tmp_path_factory, shards, bad_file, data):
+    """In-process FnApiRunner: shards mixing good and bad rows (and rows the engine fails on),
+    maybe an unreadable file skipped with --skip-bad-files; the job crashes after n input files
+    are complete with the next one half written; --resume finishes it with every input row
+    (and the skipped file) exactly once in generations or dead_letter."""
     folder = tmp_path_factory.mktemp("resume")
     ids_by_shard = {}
     for k, rows in enumerate(shards):
         path = write_raw_shard(folder / f"s{k}.parquet", [i for i, _ in rows], [t for _, t in rows])
         ids_by_shard[str(path)] = [i for i, _ in rows]
-    n = data.draw(st.integers(0, len(shards) - 1), label="complete shards before the crash")
-    out, left, summary = crash_then_resume(tiny_model, folder, n, factory=poisoned_factory)
-    assert len(left) == n  # one worker writes shards one by one: exactly n complete at the crash
+    extra = []
+    if bad_file:
+        (folder / "s-bad.parquet").write_bytes(b"not parquet at all")
+        ids_by_shard[str(folder / "s-bad.parquet")] = [None]  # one file-level dead letter
+        extra = ["--skip-bad-files"]
+    n = data.draw(st.integers(0, len(ids_by_shard) - 1), label="complete input files before the crash")
+    out, left, summary = crash_then_resume(tiny_model, folder, n, extra, factory=poisoned_factory)
+    assert len(left) == n  # one worker writes files one by one: exactly n complete at the crash
     got, expected = conserved(ids_by_shard, out)
     assert got == expected
-    assert summary["resume"] == {"resumed": True, "files_already_complete": n, "files_processed": len(shards) - n,
+    assert summary["resume"] == {"resumed": True, "files_already_complete": n, "files_processed": len(ids_by_shard) - n,
                                  "complete_files_kept_from_other_inputs": 0}
     assert set(markers(out)) == set(ids_by_shard)
-    assert summary["totals"]["num_records"] == sum(len(i) for i in ids_by_shard.values())
+    assert summary["totals"]["num_records"] == sum(len(rows) for rows in shards)
     metrics = read_folder(out, "shard_metrics")
-    assert sorted(m["shard"] for m in metrics) == sorted(ids_by_shard)  # one metrics row per shard, no repeats
+    assert sorted(m["shard"] for m in metrics) == sorted(str(folder / f"s{k}.parquet") for k in range(len(shards)))
 
 
 def test_partial_shard_is_redone_and_stray_files_removed(tiny_model, tmp_path):
