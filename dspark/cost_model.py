@@ -64,8 +64,19 @@ class CostTable:
         return CostTable(tuple(tokens), tuple(out))
 
 
+def _weights_sample(target: TargetModel) -> str:
+    # two models with the same name and shapes (e.g. test models saved as "model") must not
+    # share a table: fold a few weights into the key
+    p = next(target.model.parameters())
+    return ",".join(f"{v:.6g}" for v in p.detach().flatten()[:8].float().tolist())
+
+
 def _profile_key(target: TargetModel, context: int) -> str:
-    blob = f"{target.name}|{target.vocab_size}|{target.model.config.num_hidden_layers}|{target.model.config.hidden_size}|{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}"
+    cfg = target.model.config
+    blob = (
+        f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
+        f"{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}"
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -75,9 +86,10 @@ def _device_name(device: torch.device) -> str:
 
 @torch.no_grad()
 def measure_cost_table(
-    target: TargetModel, context: int = 128, token_counts: tuple[int, ...] = PROFILE_TOKENS, reps: int = 3
+    target: TargetModel, context: int = 128, token_counts: tuple[int, ...] = PROFILE_TOKENS, reps: int = 5
 ) -> CostTable:
-    """Time one forward of B new tokens on top of a `context`-token cache, for each B."""
+    """Time one forward of B new tokens on top of a `context`-token cache, for each B.
+    Keeps the fastest of `reps` runs: on a shared machine noise only ever adds time."""
     from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
 
     runner = ModelRunner(target.model)
@@ -98,21 +110,29 @@ def measure_cost_table(
             sync()
             times.append(time.perf_counter() - t0)
             base.commit([[]])  # drop the block again: the cache returns to `context` tokens
-        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+        seconds.append(min(times[1:]))
     return CostTable.monotone(list(token_counts), seconds)
+
+
+# A cached table whose 1-token latency is this much slower than a fresh timing was measured
+# on a busy machine (or an older build): profile again rather than under-speculate for ever.
+STALE_FACTOR = 1.5
 
 
 def load_or_profile(target: TargetModel, context: int = 128, refresh: bool | None = None) -> CostTable:
     """The cached cost table for this model/device/dtype, profiling it on first use.
 
-    A table measured while the machine was busy stays pessimistic: set DSPARK_REPROFILE=1
-    (or delete ~/.cache/dspark/cost_tables) to measure again."""
+    A cached table is re-measured when its 1-token latency is over STALE_FACTOR times a
+    fresh timing (it was profiled on a busy machine); DSPARK_REPROFILE=1 forces it."""
     if refresh is None:
         refresh = os.environ.get("DSPARK_REPROFILE", "") not in ("", "0")
     path = Path(cache_root()) / "cost_tables" / f"{_profile_key(target, context)}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
-        return CostTable(tuple(data["tokens"]), tuple(data["seconds"]))
+        cached = CostTable(tuple(data["tokens"]), tuple(data["seconds"]))
+        now = measure_cost_table(target, context, token_counts=(1,), reps=3)
+        if cached.latency(1) <= STALE_FACTOR * now.latency(1):
+            return cached
     table = measure_cost_table(target, context)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(

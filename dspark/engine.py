@@ -228,15 +228,22 @@ class SpeculativeEngine:
     def run(self, requests: list[Request], on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         queue = deque(requests)
         active: list[tuple[Request, DraftRequest]] = []
-        while queue or active:
-            room = self.max_batch_size - len(active)
-            if queue and room > 0:
-                self._admit([queue.popleft() for _ in range(min(room, len(queue)))], active)
-            self._round(active)
-            self._enforce_time_limits(active)
-            finished = [r for r, _ in active if r.finish_reason is not None]
-            active = self._retire(active)
-            if on_finish is not None:
-                for r in finished:
-                    on_finish(r)
+        try:
+            while queue or active:
+                room = self.max_batch_size - len(active)
+                if queue and room > 0:
+                    self._admit([queue.popleft() for _ in range(min(room, len(queue)))], active)
+                self._round(active)
+                self._enforce_time_limits(active)
+                finished = [r for r, _ in active if r.finish_reason is not None]
+                active = self._retire(active)
+                if on_finish is not None:
+                    for r in finished:
+                        on_finish(r)
+        finally:
+            # on an exception (e.g. out of memory) the drafter must still drop the rows'
+            # state, or a reused drafter would line up the next call with stale rows
+            for _, dreq in active:
+                self.drafter.finish(dreq)
+            self.runner.cache.select_rows([])
         return requests

@@ -111,9 +111,6 @@ class FailingDraftModel(DraftModelDrafter):
         super().observe(request, outcome)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug (dspark/engine.py, lead's file): when engine.run raises, "
-                   "drafter.finish is not called for the active rows, so the draft model keeps their cache rows and "
-                   "the next call aligns its requests (ids restart at 0) to those stale rows")
 def test_a_failed_generate_also_frees_the_draft_models_rows(target):
     drafter = FailingDraftModel(target, target)
     gen = DSparkGenerator(target, drafter, "fixed:3", max_batch_size=4)

@@ -146,3 +146,33 @@ def test_cost_table_is_monotone_and_interpolates():
     assert t.seconds == (0.01, 0.01, 0.02)
     assert abs(t.latency(6) - 0.015) < 1e-12
     assert t.latency(16) > t.latency(8)
+
+
+def test_cost_table_profiled_on_a_busy_machine_is_measured_again(tmp_path, monkeypatch, tiny_llama):
+    import json
+
+    from dspark import cost_model
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DSPARK_REPROFILE", raising=False)
+    fresh = cost_model.load_or_profile(tiny_llama, context=16)
+    [path] = (tmp_path / "cost_tables").glob("*.json")
+    data = json.loads(path.read_text())
+    data["seconds"] = [s / 1000 for s in data["seconds"]]  # faster than any re-timing: kept
+    path.write_text(json.dumps(data))
+    assert cost_model.load_or_profile(tiny_llama, context=16).seconds == tuple(data["seconds"])
+    data["seconds"] = [s * 1e6 for s in data["seconds"]]  # 1000x slower: profiled while swamped
+    path.write_text(json.dumps(data))
+    again = cost_model.load_or_profile(tiny_llama, context=16)
+    assert again.latency(1) < 100 * fresh.latency(1)
+    assert json.loads(path.read_text())["seconds"][0] < data["seconds"][0]
+
+
+def test_cost_tables_of_different_models_with_the_same_shapes_are_kept_apart(tiny_llama, smol_tokenizer):
+    from dspark.cost_model import _profile_key
+    from dspark.models import wrap_model
+    from tests.conftest import tiny_model
+
+    twin = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=99, sharpen=16.0), smol_tokenizer, tiny_llama.name)
+    assert _profile_key(twin, 128) != _profile_key(tiny_llama, 128)
+    assert _profile_key(tiny_llama, 128) == _profile_key(tiny_llama, 128)
