@@ -327,7 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         task = bar.add_task("benchmark", total=total)
 
         def tick(phase: str):
-            return lambda m: bar.update(task, advance=1, description=f"{phase} [{m}]")
+            def step(m: str) -> None:
+                bar.update(task, advance=1, description=f"{phase} [{m}]")
+                if not console.is_terminal:  # rich draws no bar into a log file: say it plainly
+                    done = int(bar.tasks[0].completed)
+                    console.print(f"{done}/{total} {phase} [{m}] {time.perf_counter() - t0:.0f} s", highlight=False)
+
+            return step
 
         def phase(name: str, fn) -> list:
             """Run one phase; a failure is recorded and the next phases still run (a long run
