@@ -218,11 +218,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _machine() -> str:
     import psutil
+    import torch
 
     ram = psutil.virtual_memory().total / 2**30
-    return f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, {ram:.0f} GiB RAM"
+    return (f"{platform.platform()}, {_cpu_model()}, {os.cpu_count()} CPUs, {ram:.0f} GiB RAM, "
+            f"torch threads {torch.get_num_threads()}")
 
 
 def _steps(n_prompts: int, methods: list[str], batch_sizes: list[int]) -> int:

@@ -94,6 +94,45 @@ def test_property_resume_after_a_crash_keeps_every_row_exactly_once(tiny_model, 
     assert sorted(m["shard"] for m in metrics) == sorted(str(folder / f"s{k}.parquet") for k in range(len(shards)))
 
 
+MP_FLAGS = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(shards=SHARDS, data=st.data())
+def test_property_multi_processing_crash_and_resume_keep_every_row_exactly_once(tiny_model, tmp_path_factory, monkeypatch, shards, data):
+    """The same conservation property with two worker processes (DirectRunner multi_processing),
+    for the crashed run and the resumed one: engine calls mixing shards (--batch-scope global),
+    rows the engine fails on, a crash in a worker as the (n+1)-th input file is written."""
+    from test_pipeline_support import CrashAtFileWrite
+
+    # the workers unpickle the fault-injecting factory and hook from the tests folder
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    folder = tmp_path_factory.mktemp("resume-mp")
+    ids_by_shard = {}
+    for k, rows in enumerate(shards):
+        path = write_raw_shard(folder / f"s{k}.parquet", [i for i, _ in rows], [t for _, t in rows])
+        ids_by_shard[str(path)] = [i for i, _ in rows]
+    n = data.draw(st.integers(0, len(shards) - 1), label="input files written before the crash")
+    out = folder / "out"
+    args = base_args(tiny_model, out, str(folder / "*.parquet")) + [
+        "--max-new-tokens", "2", "--rows-per-call", "4", "--batch-scope", "global", *MP_FLAGS]
+    with pytest.raises(Exception, match="injected crash"):
+        cli.run(args, generator_factory=poisoned_factory, on_progress=CrashAtFileWrite(folder / "tokens", n))
+    writers = {int(t.read_text()) for t in (folder / "tokens").iterdir()}
+    assert os.getpid() not in writers  # the files were written in worker processes
+    left = markers(out)
+    assert len(left) <= n
+    before = snapshot(out)
+    summary = cli.run(args + ["--resume"], generator_factory=poisoned_factory)
+    assert all(before[f] == snapshot(out)[f] for m in left.values() for f in m.files(str(out)))
+    got, expected = conserved(ids_by_shard, out)
+    assert got == expected
+    assert summary["resume"]["files_already_complete"] == len(left)
+    assert summary["resume"]["files_processed"] == len(shards) - len(left)
+    assert set(markers(out)) == set(ids_by_shard)
+    assert summary["totals"]["num_records"] == sum(len(rows) for rows in shards)
+
+
 def test_partial_shard_is_redone_and_stray_files_removed(tiny_model, tmp_path):
     """A shard whose data files exist but whose marker does not (a crash between the two), a
     torn temporary file and a stray part file from an older layout: --resume redoes that shard

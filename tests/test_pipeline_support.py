@@ -109,3 +109,30 @@ class CrashAfterShards:
             (Path(self.folder) / f"{len(os.listdir(self.folder))}-{os.getpid()}").write_text(shard)
         elif stage == "files_written" and len(os.listdir(self.folder)) >= self.n:
             raise InjectedCrash(f"injected crash after {self.n} complete shard(s), while writing {shard}")
+
+
+class CrashAtFileWrite:
+    """A progress hook that crashes the job as the (n+1)-th input file's data files are written,
+    however many worker processes race: each write claims the next token `0`, `1`, ... in `folder`
+    with an exclusive create, so exactly one write claims token `n`. At most n files can be
+    complete at the crash (fewer when another worker dies first). Picklable."""
+
+    def __init__(self, folder: Path, n: int):
+        self.folder = str(folder)
+        self.n = n
+
+    def __call__(self, shard: str, stage: str) -> None:
+        if stage != "files_written":
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        k = 0
+        while True:
+            try:
+                fd = os.open(os.path.join(self.folder, str(k)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())  # which process wrote the file
+                os.close(fd)
+                break
+            except FileExistsError:
+                k += 1
+        if k >= self.n:
+            raise InjectedCrash(f"injected crash at input file write {k + 1} ({shard})")
