@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(task, advance=1, description=f"{phase} [{m}]")
                 if not console.is_terminal:  # rich draws no bar into a log file: say it plainly
                     done = int(bar.tasks[0].completed)
-                    console.print(f"{done}/{total} {phase} [{m}] {time.perf_counter() - t0:.0f} s", highlight=False)
+                    console.print(f"{done}/{total} {phase} [{m}] {time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
 
             return step
 
