@@ -8,8 +8,9 @@ verification token by what it really costs on this hardware.
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import logging
+import os
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 
 from dspark.models import TargetModel, cache_root
+
+LOG = logging.getLogger(__name__)
 
 # Enough points to see where the forward stops being memory-bound; larger B extrapolates
 # linearly. Profiling must stay cheap on a CPU (a few seconds for a 135M model).
@@ -132,8 +135,16 @@ def load_or_profile(target: TargetModel, context: int = 128, refresh: bool | Non
         cached = CostTable(tuple(data["tokens"]), tuple(data["seconds"]))
         now = measure_cost_table(target, context, token_counts=(1,), reps=3)
         if cached.latency(1) <= STALE_FACTOR * now.latency(1):
+            LOG.info("Cost table from %s", path)
             return cached
+        LOG.info("Cost table %s is stale (1 token: %.1f ms cached, %.1f ms now): profiling again",
+                 path, 1000 * cached.latency(1), 1000 * now.latency(1))
+    else:
+        LOG.info("Profiling the cost table (%s; first use for this model, device, dtype and thread count)",
+                 "forced" if refresh else path)
+    t0 = time.perf_counter()
     table = measure_cost_table(target, context)
+    LOG.info("Cost table profiled in %.1f s", time.perf_counter() - t0)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
