@@ -223,3 +223,29 @@ def test_drafting_backs_off_where_the_scheduler_verifies_nothing(tiny_llama, bac
     else:
         # drafts at rounds 1, 2, then after skips of 1, 2, 4, 8, 8, 8: 8 drafts in 40 rounds
         assert drafter.calls == 8
+
+
+def test_ngram_confidence_learns_the_acceptance_rate_and_unseen_depths_inherit_it():
+    """Confidences are calibrated online: after many rounds where the first draft token is
+    accepted 1 time in 4, depth 1's confidence is near 0.25, and depths never verified get about
+    the same rather than an optimistic prior (which once made `dspark` verify 8-token blocks)."""
+    from dspark.drafters.base import DraftRequest, VerifyOutcome
+    from dspark.sampling import SamplingParams
+    from dspark.tree import DraftTree
+
+    drafter = NgramDrafter(max_ngram=2, min_ngram=2, num_candidates=1)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # "1 2" matched: proposes 3 4 5 6 7 8 9 ...
+    req = DraftRequest(0, list(context), SamplingParams())
+    drafter.start(req)
+    for r in range(200):
+        tree = drafter.propose([req], max_depth=8)[0]
+        assert tree.tokens[:3] == [3, 4, 5]
+        verified = DraftTree()
+        verified.add(tree.tokens[0], -1, tree.confidence[0])  # the scheduler sent depth 1 only
+        accepted = [0] if r % 4 == 0 else []
+        drafter.observe(req, VerifyOutcome(0, verified, accepted, next_token=0))
+        req.token_ids = list(context)  # same context every round
+    conf = drafter.propose([req], max_depth=8)[0].confidence
+    assert conf[0] == pytest.approx(0.25, abs=0.03)
+    survival = drafter.propose([req], max_depth=8)[0].survival()
+    assert survival[7] < 0.01  # 8 deep tokens at ~0.25 each: the scheduler will not verify them

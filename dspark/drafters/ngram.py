@@ -6,14 +6,15 @@ a token tree (up to `num_candidates` paths), siblings ordered by how often they 
 
 Confidence of a node = (share of matches that continue through it, among those through its
 parent) x (online acceptance rate of n-gram drafts at that depth and match length). The
-second factor is learned from this drafter's own verification outcomes, so the `dspark` and
-`threshold` schedulers get calibrated numbers without any training. Proposals are
+second factor is learned from this drafter's own verification outcomes (a depth not yet
+verified borrows the rate of the depth above; depth 1 counts as certain until it has been
+tried a few times), so the `dspark` and `threshold` schedulers get
+calibrated numbers without any training. Proposals are
 deterministic given the context, so their q is None (a point mass).
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
@@ -30,7 +31,8 @@ class NgramDrafter(DrafterBase):
         num_candidates: int = 3,
         max_matches: int = 16,
         prior: tuple[float, float] = (1.0, 1.0),
-        exploration: float = 0.3,
+        prior_weight: float = 2.0,
+        burn_in: int = 4,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
@@ -39,8 +41,8 @@ class NgramDrafter(DrafterBase):
         self.num_candidates = max(1, num_candidates)
         self.max_matches = max_matches
         self.prior = prior
-        self.exploration = exploration
-        self.rounds = 0
+        self.prior_weight = prior_weight
+        self.burn_in = burn_in
         # (match length n, depth k) -> [accepted, attempted]; shared across requests
         self.depth_stats: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
 
@@ -62,13 +64,22 @@ class NgramDrafter(DrafterBase):
         request.state["indexed"] = max(request.state["indexed"], len(tokens))
 
     def _acceptance(self, n: int, depth: int) -> float:
-        """Posterior mean of the conditional acceptance at this depth, plus a small UCB bonus:
-        without it a low estimate would stop a threshold scheduler from ever verifying that
-        depth again, and the estimate could never recover."""
-        acc, att = self.depth_stats[(n, depth)]
+        """Estimated conditional acceptance of a depth-`depth` draft token after an n-token match.
+
+        Until depth 1 has `burn_in` outcomes for this match length it is reported as certain,
+        so every scheduler tries it (a threshold scheduler would otherwise never verify, and
+        never learn). Past that, each depth's posterior mean is shrunk towards the depth above
+        it (`prior_weight` pseudo counts): a depth with no data yet inherits its parent's rate,
+        not an optimistic guess, which once made the `dspark` scheduler verify 8-token blocks
+        for whole batches."""
+        if depth == 1 and self.depth_stats[(n, 1)][1] < self.burn_in:
+            return 1.0
         a, b = self.prior
-        bonus = self.exploration * math.sqrt(math.log(2 + self.rounds) / (att + 1))
-        return min(1.0, (acc + a) / (att + a + b) + bonus)
+        mean = a / (a + b)
+        for k in range(1, depth + 1):
+            acc, att = self.depth_stats[(n, k)]
+            mean = (acc + self.prior_weight * mean) / (att + self.prior_weight)
+        return mean
 
     # --- drafting --------------------------------------------------------------------------
     def _continuations(self, request: DraftRequest, max_depth: int) -> tuple[int, list[list[int]]]:
@@ -119,7 +130,6 @@ class NgramDrafter(DrafterBase):
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
         tree, n = outcome.tree, request.state.get("match_len", 0)
-        self.rounds += 1
         if len(tree) and n:
             children = tree.children()
             node = -1
