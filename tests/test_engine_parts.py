@@ -237,6 +237,7 @@ def test_ngram_confidence_learns_the_acceptance_rate_and_unseen_depths_inherit_i
     context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # "1 2" matched: proposes 3 4 5 6 7 8 9 ...
     req = DraftRequest(0, list(context), SamplingParams())
     drafter.start(req)
+    assert drafter.propose([req], max_depth=8)[0].confidence[0] == 1.0  # untried: explored first
     for r in range(200):
         tree = drafter.propose([req], max_depth=8)[0]
         assert tree.tokens[:3] == [3, 4, 5]
@@ -245,7 +246,6 @@ def test_ngram_confidence_learns_the_acceptance_rate_and_unseen_depths_inherit_i
         accepted = [0] if r % 4 == 0 else []
         drafter.observe(req, VerifyOutcome(0, verified, accepted, next_token=0))
         req.token_ids = list(context)  # same context every round
-    conf = drafter.propose([req], max_depth=8)[0].confidence
-    assert conf[0] == pytest.approx(0.25, abs=0.03)
-    survival = drafter.propose([req], max_depth=8)[0].survival()
-    assert survival[7] < 0.01  # 8 deep tokens at ~0.25 each: the scheduler will not verify them
+    tree = drafter.propose([req], max_depth=8)[0]
+    assert tree.confidence[0] == pytest.approx(0.25, abs=0.03)
+    assert tree.survival()[7] < 0.01  # 8 deep tokens at ~0.25 each: the scheduler will not verify them

@@ -56,6 +56,15 @@ def crash_then_resume(model: Path, folder: Path, n: int, extra: list[str] = (), 
     return out, left, summary
 
 
+def write_shards(folder: Path, shards: list[list[tuple]]) -> dict[str, list]:
+    """folder/s{k}.parquet per shard of (id, text) rows; returns each file's ids."""
+    ids_by_shard = {}
+    for k, rows in enumerate(shards):
+        path = write_raw_shard(folder / f"s{k}.parquet", [i for i, _ in rows], [t for _, t in rows])
+        ids_by_shard[str(path)] = [i for i, _ in rows]
+    return ids_by_shard
+
+
 # --- crash and resume --------------------------------------------------------------------
 SHARDS = st.lists(
     st.lists(st.tuples(st.one_of(st.sampled_from(["r1", "r2"]), st.uuids().map(str), st.none()), GOOD_OR_BAD),
@@ -72,10 +81,7 @@ def test_property_resume_after_a_crash_keeps_every_row_exactly_once(tiny_model, 
     are complete with the next one half written; --resume finishes it with every input row
     (and the skipped file) exactly once in generations or dead_letter."""
     folder = tmp_path_factory.mktemp("resume")
-    ids_by_shard = {}
-    for k, rows in enumerate(shards):
-        path = write_raw_shard(folder / f"s{k}.parquet", [i for i, _ in rows], [t for _, t in rows])
-        ids_by_shard[str(path)] = [i for i, _ in rows]
+    ids_by_shard = write_shards(folder, shards)
     extra = []
     if bad_file:
         (folder / "s-bad.parquet").write_bytes(b"not parquet at all")
@@ -108,10 +114,7 @@ def test_property_multi_processing_crash_and_resume_keep_every_row_exactly_once(
     # the workers unpickle the fault-injecting factory and hook from the tests folder
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     folder = tmp_path_factory.mktemp("resume-mp")
-    ids_by_shard = {}
-    for k, rows in enumerate(shards):
-        path = write_raw_shard(folder / f"s{k}.parquet", [i for i, _ in rows], [t for _, t in rows])
-        ids_by_shard[str(path)] = [i for i, _ in rows]
+    ids_by_shard = write_shards(folder, shards)
     n = data.draw(st.integers(0, len(shards) - 1), label="input files written before the crash")
     out = folder / "out"
     args = base_args(tiny_model, out, str(folder / "*.parquet")) + [

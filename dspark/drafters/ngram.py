@@ -8,9 +8,8 @@ Confidence of a node = (share of matches that continue through it, among those t
 parent) x (online acceptance rate of n-gram drafts at that depth and match length). The
 second factor is learned from this drafter's own verification outcomes (a depth not yet
 verified borrows the rate of the depth above; depth 1 counts as certain until it has been
-tried a few times), so the `dspark` and `threshold` schedulers get
-calibrated numbers without any training. Proposals are
-deterministic given the context, so their q is None (a point mass).
+tried a few times), so the `dspark` and `threshold` schedulers get calibrated numbers without
+any training. Proposals are deterministic given the context, so their q is None (a point mass).
 """
 
 from __future__ import annotations
