@@ -21,7 +21,7 @@ from dspark.dspark_drafter import (
 )
 from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
-from dspark.dspark_drafter.model import block_attention_mask
+from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
 from dspark.sampling import SamplingParams
 from dspark.training.tiny import tiny_target
 
@@ -34,6 +34,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (2, 4), (3, 7)])
+def test_lm_head_logits_match_a_plain_matmul_for_draft_blocks_and_training_batches(shape):
+    # (1, 7) and (2, 4) take the transposed small-batch layout, (3, 7) the usual one
+    gen = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(*shape, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    out = lm_head_logits(h, weight)
+    assert out.shape == (*shape, 50)
+    torch.testing.assert_close(out, h @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
