@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.evaluation import PromptRecord, hf_generate, load_prompt_files, run_benchmark
 from dspark.evaluation.quality import intervals_overlap, linear_slope, permutation_p_value, rouge_l
-from dspark.evaluation.report import parse_md_table
+from dspark.evaluation.core import first_divergence
+from dspark.evaluation.report import divergence_text, parse_md_table
 from dspark.evaluation.resources import SoakSample, fragmentation, measure_drafter, run_soak, soak_slopes, tensor_bytes
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
@@ -110,6 +111,7 @@ def test_compare_rows_match_outputs(report):
         assert run["num_prompts"] == len(mine) == 6
         assert run["output_tokens"] == sum(o["num_output_tokens"] for o in mine) == 6 * N_NEW
         assert run["identical_to_hf"] == sum(o["token_ids"] == hf[o["prompt_id"]]["token_ids"] for o in mine) / 6
+        assert len(run["first_divergence_tokens"]) == sum(o["token_ids"] != hf[o["prompt_id"]]["token_ids"] for o in mine)
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
         # quality: against hf and against the references (4 of the 6 prompts have one)
         assert run["rouge_l_vs_hf"] == pytest.approx(np.mean([ref_rouge(o["text"], hf[o["prompt_id"]]["text"]) for o in mine]))
@@ -282,6 +284,18 @@ def test_presets_choose_files_and_lengths(tmp_path):
     for bad in (["--preset", "nope", "--out", "x"], ["--prompts", "a", "--out", "x", "--seeds", "2"], ["--out", "x"]):
         with pytest.raises(SystemExit):
             resolve_args(bad)
+
+
+def test_first_divergence_says_how_early_outputs_leave_the_reference():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([9], [1, 2]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # stopped early: differs where the shorter ends
+    runs = [{"method": "dspark@ngram", "batch_size": 1, "num_prompts": 4, "first_divergence_tokens": [17, 90]},
+            {"method": "ar", "batch_size": 1, "num_prompts": 4, "first_divergence_tokens": []}]
+    text = divergence_text(runs)
+    assert "dspark@ngram (batch 1): 2 of 4 prompts differ from `hf`, first at output token 17, 90" in text
+    assert "ar (batch" not in text and divergence_text(runs[1:]) == ""
 
 
 def test_quality_and_statistics_helpers():

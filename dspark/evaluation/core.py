@@ -318,12 +318,22 @@ def quality_summary(outputs: list[Output], hf_text: dict[str, str] | None, refer
     }
 
 
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first output token that differs from the reference (a length difference
+    counts at the shorter length); None when the two are identical."""
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
 def _summary(outputs: list[Output], wall_s: float, ref: dict[str, list[int]] | None, hf_wall: float | None) -> dict:
     tokens = sum(len(o.token_ids) for o in outputs)
     stats = aggregate([o.stats for o in outputs if o.stats is not None])
     has_stats = any(o.stats is not None for o in outputs)
     tps = tokens / wall_s if wall_s > 0 else 0.0
     same = [o.token_ids == ref[o.prompt_id] for o in outputs if ref and o.prompt_id in ref]
+    divergence = [first_divergence(o.token_ids, ref[o.prompt_id]) for o in outputs if ref and o.prompt_id in ref]
     lat = latency_summary(outputs)
     return {
         "num_prompts": len(outputs),
@@ -332,6 +342,8 @@ def _summary(outputs: list[Output], wall_s: float, ref: dict[str, list[int]] | N
         "tokens_per_s": tps,
         "speedup_vs_hf": (hf_wall / wall_s) if hf_wall and wall_s > 0 else None,
         "identical_to_hf": (sum(same) / len(same)) if same else None,
+        # how early outputs leave hf's (expected only outside float32): one entry per differing prompt
+        "first_divergence_tokens": sorted(i for i in divergence if i is not None) if ref else None,
         "mean_accepted_length": stats.mean_accepted_length if has_stats else 1.0,
         "acceptance_rate": stats.acceptance_rate if has_stats else None,
         "correction_rate": stats.correction_rate if has_stats else None,

@@ -169,6 +169,9 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
               "`vs hf` = tokens/s over transformers `generate` at the same batch size; `same as hf` = outputs "
               "token-identical to it; quality columns compare texts with the `hf` outputs and with the prompt "
               "file's references (ROUGE-L F1 with stemming; corpus BLEU).", _table(runs, RESULTS_COLUMNS)]
+    diverged = divergence_text(runs)
+    if diverged:
+        parts.append(diverged)
 
     parts += ["## By category", _table(_category_rows(runs), RESULTS_COLUMNS[:3] + [("category", "category", None)] + CATEGORY_COLUMNS)]
     img("speedup_by_category", "speedup by category")
@@ -211,6 +214,18 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         parts += ["## Soak", soak_table(soak)]
         img("soak", "memory over the soak run")
     return "\n\n".join(parts) + "\n"
+
+
+def divergence_text(runs: list[dict]) -> str:
+    """One line per run whose outputs are not all token-identical to `hf`: how many prompts
+    differ and at which output token each first differs (near-ties flip in bf16/fp16)."""
+    lines = []
+    for r in runs:
+        first = r.get("first_divergence_tokens")
+        if first:
+            lines.append(f"- {r['method']} (batch {r['batch_size']}): {len(first)} of {r['num_prompts']} prompts differ "
+                         f"from `hf`, first at output token {', '.join(str(i) for i in first)}")
+    return ("Outputs that differ from `hf`:\n" + "\n".join(lines)) if lines else ""
 
 
 def sampling_text(sampling: dict) -> str:
