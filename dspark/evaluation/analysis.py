@@ -72,6 +72,7 @@ SWEEP_KEYS = (
     "acceptance_rate",
     "correction_rate",
     "confidence_entropy",
+    "mean_tpot_s",  # decode only: prefill of long prompts can dominate tokens/s at small outputs
     "output_tokens",
     "wall_s",
     "num_prompts",

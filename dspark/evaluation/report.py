@@ -104,6 +104,7 @@ SWEEP_COLUMNS = [
     ("accept", "acceptance_rate", "%"),
     ("correct", "correction_rate", "%"),
     ("conf. entropy", "confidence_entropy", ".3f"),
+    ("TPOT ms", "mean_tpot_s", "ms"),
 ]
 
 
@@ -195,7 +196,9 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     load = results.get("load_sweep")
     if load and load.get("rows"):
         parts += ["## Load sweep", "Tokens/s and mean verify budget per row and round as the batch grows "
-                  "(paper Figure 8: the budget should fall with load and `dspark` stay at or above every fixed K).",
+                  "(paper Figure 8: the budget should fall with load and `dspark` stay at or above every fixed K). "
+                  "Tokens/s includes prefill, which dominates when prompts are long and outputs short; TPOT "
+                  "(mean time per output token after the first) is the decode-only view.",
                   _table(load["rows"], [("method", "method", None), ("batch", "batch_size", "d")] + SWEEP_COLUMNS)]
         if load.get("checks"):
             parts += ["### dspark vs fixed K", _table(load["checks"], [
@@ -396,13 +399,15 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
 
     load = results.get("load_sweep")
     if load and load.get("rows"):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         for m in dict.fromkeys(r["method"] for r in load["rows"]):
             rs = sorted((r for r in load["rows"] if r["method"] == m), key=lambda r: r["batch_size"])
             b = [r["batch_size"] for r in rs]
             axes[0].plot(b, [r["tokens_per_s"] for r in rs], "o-", label=m)
-            axes[1].plot(b, [r["mean_verify_budget"] for r in rs], "o-", label=m)
-        for ax, title in zip(axes, ("tokens/s", "mean verify budget per row and round")):
+            axes[1].plot(b, [1000 * r["mean_tpot_s"] if r.get("mean_tpot_s") is not None else math.nan for r in rs], "o-", label=m)
+            axes[2].plot(b, [r["mean_verify_budget"] for r in rs], "o-", label=m)
+        titles = ("tokens/s (with prefill)", "decode ms per output token (TPOT, mean)", "mean verify budget per row and round")
+        for ax, title in zip(axes, titles):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch size")
             ax.set_title(title, fontsize=9)
