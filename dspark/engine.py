@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.draft_gate import DraftGate
 from dspark.drafters.base import DraftRequest, Drafter, VerifyOutcome
 from dspark.metrics import RequestStats
 from dspark.models import TargetModel
@@ -66,6 +67,7 @@ class SpeculativeEngine:
         scheduler: Scheduler,
         max_batch_size: int = 8,
         max_draft_backoff: int = 8,
+        draft_gate: bool | None = None,
     ) -> None:
         self.target = target
         # A row whose drafts the scheduler keeps pruning to nothing stops drafting for 1, 2,
@@ -78,6 +80,15 @@ class SpeculativeEngine:
         self.runner = ModelRunner(target.model, hidden_layers=tuple(drafter.target_layers))
         self.eos = set(target.eos_token_ids)
         self.vocab = target.vocab_size
+        # Whether to draft at all, from measured round times and yields (dspark/draft_gate.py).
+        # On by default for schedulers that price verification with a cost table (`dspark`);
+        # the fixed and threshold policies verify what they are told to.
+        cost = getattr(scheduler, "cost", None)
+        if draft_gate is None:
+            draft_gate = getattr(scheduler, "gates_drafting", False)
+        if draft_gate and cost is None:
+            raise ValueError("the draft gate needs the scheduler's cost table")
+        self.gate = DraftGate(cost.latency) if draft_gate else None
 
     # --- admission -------------------------------------------------------------------------
     def _admit(self, new: list[Request], active: list[tuple[Request, DraftRequest]]) -> None:
@@ -156,6 +167,8 @@ class SpeculativeEngine:
         dreqs = [d for _, d in active]
         t0 = time.perf_counter()
         depth = self.scheduler.max_depth
+        if self.gate is not None and depth > 0 and not self.gate.should_draft():
+            depth = 0
         drafted = self._propose(active, depth)
         t1 = time.perf_counter()
         trees = self._schedule(drafted)
@@ -175,6 +188,9 @@ class SpeculativeEngine:
         keep = [[0] + [k + 1 for k in v.accepted_nodes] for v in verdicts]
         self.runner.cache.commit(keep)
         t2 = time.perf_counter()
+        if self.gate is not None and self.scheduler.max_depth > 0:
+            emitted = sum(len(v.accepted_nodes) + 1 for v in verdicts)
+            self.gate.record(len(active), t2 - t0, emitted, drafted=any(len(t) > 0 for t in drafted), propose_s=t1 - t0)
         for i, ((req, dreq), tree, verdict) in enumerate(zip(active, trees, verdicts)):
             st = req.stats
             st.draft_s += (t1 - t0) / len(active)

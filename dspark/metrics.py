@@ -14,6 +14,7 @@ class RequestStats:
     verified: int = 0  # draft tokens sent to the target
     accepted: int = 0  # draft tokens the target accepted
     rounds: int = 0  # target forward passes after prefill
+    drafted_rounds: int = 0  # rounds with a draft for this row (the rest skipped drafting)
     emitted: int = 0  # tokens gained from rounds (accepted + one target token per round)
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -44,6 +45,11 @@ class RequestStats:
         return self.verified / self.rounds if self.rounds else 0.0
 
     @property
+    def draft_share(self) -> float:
+        """Fraction of rounds that drafted (the rest skipped it: back-off or the draft gate)."""
+        return self.drafted_rounds / self.rounds if self.rounds else 0.0
+
+    @property
     def conditional_acceptance(self) -> list[float]:
         return [a / n if n else float("nan") for a, n in zip(self.position_accepts, self.position_attempts)]
 
@@ -60,6 +66,7 @@ class RequestStats:
         """One verification round. verified_depths: depth of every verified node; accepted_depth:
         how many draft tokens were accepted."""
         self.rounds += 1
+        self.drafted_rounds += drafted > 0
         self.drafted += drafted
         self.verified += len(verified_depths)
         self.accepted += accepted_depth
@@ -77,7 +84,7 @@ class RequestStats:
                 self.position_accepts[k - 1] += 1
 
     def merge(self, other: "RequestStats") -> None:
-        for name in ("drafted", "verified", "accepted", "rounds", "emitted", "draft_s", "verify_s"):
+        for name in ("drafted", "verified", "accepted", "rounds", "drafted_rounds", "emitted", "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.position_attempts), len(other.position_attempts))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
@@ -92,6 +99,7 @@ class RequestStats:
             "accepted": self.accepted,
             "rejected": self.rejected,
             "rounds": self.rounds,
+            "draft_share": self.draft_share,
             "acceptance_rate": self.acceptance_rate,
             "correction_rate": self.correction_rate,
             "mean_accepted_length": self.mean_accepted_length,

@@ -27,6 +27,7 @@ class Scheduler:
     name = "base"
     max_depth = DEFAULT_MAX_DEPTH  # how deep drafters should draft this round
     needs_cost_table = False
+    gates_drafting = False  # the engine may skip drafting when it does not pay (dspark/draft_gate.py)
 
     def budgets(self, trees: Sequence[DraftTree]) -> list[int]:
         raise NotImplementedError
@@ -184,6 +185,7 @@ def width_schedule(survival: Sequence[Sequence[float]], sps: Callable[[int], flo
 class DSparkScheduler(Scheduler):
     """Hardware-aware prefix scheduler over the profiled SPS(B).
 
+    `gate=True` lets the engine skip drafting while it does not pay (dspark/draft_gate.py).
     `packed=False` (the default, matching this engine's right-padded verify forward) prices
     a block by its widest row (`width_schedule`); `packed=True` is the paper's accounting for
     ragged batches, B = sum_r (1 + l_r) (`prefix_schedule`). At batch size 1 they agree.
@@ -192,10 +194,14 @@ class DSparkScheduler(Scheduler):
     cost: CostTable | None = None
     max_depth: int = DEFAULT_MAX_DEPTH
     packed: bool = False
+    gate: bool = True
 
     def __post_init__(self) -> None:
         self.name = "dspark"
         self.needs_cost_table = self.cost is None
+        # hardware-aware means deciding whether to draft at all, too: a drafter that costs more
+        # than its accepted tokens save is skipped (measured, from past rounds only)
+        self.gates_drafting = self.gate
 
     def budgets(self, trees: Sequence[DraftTree]) -> list[int]:
         if self.cost is None:

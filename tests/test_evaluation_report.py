@@ -137,6 +137,12 @@ def test_compare_rows_match_outputs(report):
             assert run["mean_verify_budget"] == pytest.approx(verified / rounds)
             per_request = [o["stats"]["verified"] / o["stats"]["rounds"] for o in mine]
             assert run["mean_request_verify_budget"] == pytest.approx(np.mean(per_request))
+            drafted_rounds = sum(o["stats"]["draft_share"] * o["stats"]["rounds"] for o in mine)
+            assert run["draft_share"] == pytest.approx(drafted_rounds / rounds)
+            if run["method"] == "ar":
+                assert run["draft_share"] == 0.0
+            if run["method"].endswith(report["dm"]):  # a draft model always has a draft to offer
+                assert run["draft_share"] > 0.0
         if run["method"].endswith(report["dm"]) and run["mean_verify_budget"] > 0:  # drafts from the target itself
             assert run["acceptance_rate"] == 1.0 and run["correction_rate"] == 0.0
             assert run["mean_accepted_length"] == pytest.approx(1 + run["mean_verify_budget"])

@@ -348,6 +348,8 @@ def _summary(outputs: list[Output], wall_s: float, ref: dict[str, list[int]] | N
         "acceptance_rate": stats.acceptance_rate if has_stats else None,
         "correction_rate": stats.correction_rate if has_stats else None,
         "mean_verify_budget": stats.mean_verify_budget if has_stats else 0.0,
+        # rounds that drafted at all (the rest skipped it: the draft gate or back-off)
+        "draft_share": stats.draft_share if has_stats else 0.0,
         # the same per request, then averaged: every request counts once, however long
         "mean_request_verify_budget": mean([o.stats.mean_verify_budget for o in outputs if o.stats]) if has_stats else 0.0,
         "confidence_entropy": (stats.confidence_entropy if stats.confidences else None) if has_stats else None,

@@ -67,6 +67,7 @@ RESULTS_COLUMNS = [
     ("accept", "acceptance_rate", "%"),
     ("correct", "correction_rate", "%"),
     ("budget", "mean_verify_budget", ".3f"),
+    ("drafted", "draft_share", "%"),
     ("ROUGE-L vs hf", "rouge_l_vs_hf", ".4f"),
     ("BLEU vs hf", "bleu_vs_hf", ".2f"),
     ("ROUGE-L vs ref", "rouge_l_vs_reference", ".4f"),

@@ -1,0 +1,84 @@
+"""Whether drafting pays at all: the decision Algorithm 1 cannot make.
+
+Algorithm 1 prices verification, and rightly treats the draft as already paid for: by the
+time it runs, it is. But a drafter that costs a large share of a target step (a neural
+drafter on a CPU) and whose drafts are mostly rejected makes every round slower than a
+plain one. The gate watches what drafting rounds actually deliver and skips drafting, for
+the whole batch, while a plain round would clearly be faster:
+
+    skip   iff   (1 + gain) / t_draft  <  min_speedup / t_plain
+
+gain     accepted draft tokens per row per drafting round (moving average)
+t_draft  a drafting round's wall time (draft + verify + accept), moving average
+t_plain  a round without a draft, moving average, seeded by the cost table
+
+Times are divided by the cost table's one-token latency for that many rows, so rounds with
+different batch sizes compare. A "skip" lasts 1, 2, 4 ... (at most `max_skip`) rounds, after
+which one drafting round probes again; a probe that pays resets the pause.
+
+A drafter that costs almost nothing (`cheap`: under 5% of a plain round, e.g. n-gram lookup)
+is never gated: its value comes in bursts (a copied phrase) that the scheduler already picks
+out round by round from the confidences, for free, and an average over rounds would miss them.
+
+Lossless: the decision reads past rounds only, so it never depends on what the target will say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+@dataclass
+class DraftGate:
+    plain_latency: Callable[[int], float]  # seconds of a one-token-per-row round for R rows
+    alpha: float = 0.3
+    max_skip: int = 16
+    min_speedup: float = 0.95  # hysteresis: round times are noisy, and skipping forgoes bursts
+    cheap: float = 0.05  # drafter calls under this share of a plain round are never gated
+    gain: float | None = None
+    t_draft: float | None = None  # normalised by plain_latency(R)
+    t_plain: float | None = None  # normalised likewise; None: trust the cost table (1.0)
+    t_propose: float | None = None  # the drafter call alone, normalised likewise
+    skip_left: int = 0
+    next_skip: int = 1
+    skipped_rounds: int = 0  # rounds the gate said no, for the run's log
+
+    def expected_speedup(self) -> float | None:
+        """Tokens/s of a drafting round over a plain one, from the averages (None: no data)."""
+        if self.gain is None or self.t_draft is None:
+            return None
+        t_plain = 1.0 if self.t_plain is None else self.t_plain
+        return (1.0 + self.gain) * t_plain / self.t_draft
+
+    def should_draft(self) -> bool:
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            self.skipped_rounds += 1
+            return False
+        return True
+
+    def record(self, rows: int, seconds: float, emitted: int, drafted: bool, propose_s: float) -> None:
+        """One finished round: `rows` in the batch, its wall time, tokens it emitted in all,
+        whether any row had a draft (a round with no draft at all is a plain round), and the
+        seconds of that wall time spent in the drafter call."""
+        if rows <= 0:
+            return
+        unit = self.plain_latency(rows)
+        if not drafted:
+            self.t_plain = _ewma(self.t_plain, seconds / unit, self.alpha)
+            return
+        self.gain = _ewma(self.gain, emitted / rows - 1.0, self.alpha)
+        self.t_draft = _ewma(self.t_draft, seconds / unit, self.alpha)
+        self.t_propose = _ewma(self.t_propose, propose_s / unit, self.alpha)
+        t_plain = 1.0 if self.t_plain is None else self.t_plain
+        speedup = self.expected_speedup()
+        if speedup is not None and speedup < self.min_speedup and self.t_propose >= self.cheap * t_plain:
+            self.skip_left = self.next_skip
+            self.next_skip = min(2 * self.next_skip, self.max_skip)
+        else:
+            self.next_skip = 1
