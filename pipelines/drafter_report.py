@@ -125,10 +125,13 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     model, ck = load_model_for_target(checkpoint, target, dtype=torch.float32)
     t0 = time.time()
     res = evaluate(model, reader, rows, stride, max_blocks)
-    runs = {"dspark": (res, f"DSpark (Markov rank {model.cfg.markov_rank})")}
+    steps = {"dspark": _trained_steps(ck)}
+    runs = {"dspark": (res, f"DSpark (Markov rank {model.cfg.markov_rank}){_steps_label(steps['dspark'])}")}
     if ablation is not None and (ablation / "config.json").is_file():
-        abl, _ = load_model_for_target(ablation, target, dtype=torch.float32)
-        runs["parallel"] = (evaluate(abl, reader, rows, stride, max_blocks), "parallel-only (trained without Markov head)")
+        abl, abl_ck = load_model_for_target(ablation, target, dtype=torch.float32)
+        steps["parallel"] = _trained_steps(abl_ck)
+        label = f"parallel-only (trained without Markov head){_steps_label(steps['parallel'])}"
+        runs["parallel"] = (evaluate(abl, reader, rows, stride, max_blocks), label)
     else:
         runs["parallel"] = (evaluate(model, reader, rows, stride, max_blocks, markov=False), "parallel-only (Markov bias off at inference; no retrained ablation)")
     eval_s = time.time() - t0
@@ -178,10 +181,26 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         "calibration": {k: {kk: v[kk] for kk in ("ece", "auc")} for k, v in sts.items()},
         "eval_seconds": eval_s,
         "training": (ck.extra or {}).get("training"),
+        "trained_steps": steps,
     }
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     (out / "report.md").write_text(_markdown(summary, files))
     return summary
+
+
+def _trained_steps(ck) -> int | None:
+    return ((ck.extra or {}).get("training") or {}).get("steps")
+
+
+def _steps_label(steps: int | None) -> str:
+    return f", {steps} steps" if steps else ""
+
+
+def _unequal_note(steps: dict) -> str:
+    a, b = steps.get("dspark"), steps.get("parallel")
+    if a and b and a != b:
+        return f" (unequal training: {a} vs {b} steps, which favours the longer run)"
+    return ""
 
 
 def _markdown(s: dict, files: list[str]) -> str:
@@ -205,7 +224,7 @@ def _markdown(s: dict, files: list[str]) -> str:
     gain = r["dspark"]["tau"]["all"] / r["parallel"]["tau"]["all"] - 1
     lines += [
         "",
-        f"Markov head vs parallel-only: {100 * gain:+.1f}% tau overall.",
+        f"Markov head vs parallel-only: {100 * gain:+.1f}% tau overall{_unequal_note(s.get('trained_steps') or {})}.",
         "",
         "![tau per domain](tau_per_domain.png)",
         "",
