@@ -37,7 +37,7 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 class DraftGate:
     plain_latency: Callable[[int], float]  # seconds of a one-token-per-row round for R rows
     alpha: float = 0.3
-    max_skip: int = 16
+    max_skip: int = 32
     min_speedup: float = 0.95  # hysteresis: round times are noisy, and skipping forgoes bursts
     cheap: float = 0.05  # drafter calls under this share of a plain round are never gated
     gain: float | None = None

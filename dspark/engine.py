@@ -67,7 +67,7 @@ class SpeculativeEngine:
         scheduler: Scheduler,
         max_batch_size: int = 8,
         max_draft_backoff: int = 8,
-        draft_gate: bool | None = None,
+        draft_gate: bool | DraftGate | None = None,
     ) -> None:
         self.target = target
         # A row whose drafts the scheduler keeps pruning to nothing stops drafting for 1, 2,
@@ -83,12 +83,18 @@ class SpeculativeEngine:
         # Whether to draft at all, from measured round times and yields (dspark/draft_gate.py).
         # On by default for schedulers that price verification with a cost table (`dspark`);
         # the fixed and threshold policies verify what they are told to.
+        # A DraftGate instance is used as it is (the generator keeps one across calls).
         cost = getattr(scheduler, "cost", None)
         if draft_gate is None:
             draft_gate = getattr(scheduler, "gates_drafting", False)
-        if draft_gate and cost is None:
-            raise ValueError("the draft gate needs the scheduler's cost table")
-        self.gate = DraftGate(cost.latency) if draft_gate else None
+        if isinstance(draft_gate, DraftGate):
+            self.gate: DraftGate | None = draft_gate
+        elif draft_gate:
+            if cost is None:
+                raise ValueError("the draft gate needs the scheduler's cost table")
+            self.gate = DraftGate(cost.latency)
+        else:
+            self.gate = None
 
     # --- admission -------------------------------------------------------------------------
     def _admit(self, new: list[Request], active: list[tuple[Request, DraftRequest]]) -> None:

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.cost_model import load_or_profile
+from dspark.draft_gate import DraftGate
 from dspark.drafters import make_drafter
 from dspark.drafters.base import Drafter
 from dspark.engine import Request, SpeculativeEngine
@@ -77,6 +78,10 @@ class DSparkGenerator:
             self.scheduler.probe = UtilizationProbe(target.device)
         self.max_batch_size = max_batch_size
         self.truncation = truncation
+        # one draft gate for the generator's life: what it learned about this drafter on this
+        # hardware carries over from call to call instead of being re-probed every time
+        cost = getattr(self.scheduler, "cost", None)
+        self.draft_gate = DraftGate(cost.latency) if getattr(self.scheduler, "gates_drafting", False) and cost else None
 
     @classmethod
     def from_names(
@@ -171,7 +176,9 @@ class DSparkGenerator:
             row_seed = int(seeds[i]) if seeds is not None else (None if seed is None else seed + i)
             requests.append(Request(i, ids, max_new_tokens, sampling, tuple(stop or ()), row_seed, time_limit_s))
             truncated.append(cut)
-        engine = SpeculativeEngine(self.target, self.drafter, self.scheduler, self.max_batch_size)
+        engine = SpeculativeEngine(
+            self.target, self.drafter, self.scheduler, self.max_batch_size, draft_gate=self.draft_gate or False
+        )
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not progress)
         try:
             engine.run(requests, on_finish=lambda r: bar.update(1))

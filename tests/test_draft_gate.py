@@ -134,3 +134,16 @@ def test_only_cost_aware_schedulers_gate_by_default(tiny_llama):
     assert SpeculativeEngine(tiny_llama, drafter, gen.scheduler).gate is None
     with pytest.raises(ValueError, match="cost table"):
         SpeculativeEngine(tiny_llama, drafter, gen.scheduler, draft_gate=True)
+
+
+def test_the_generator_keeps_what_its_gate_learned_across_calls(tiny_llama):
+    [plain] = DSparkGenerator(tiny_llama, None, "ar").generate([[5, 6, 7, 5, 6]], max_new_tokens=24)
+    drafter = _ScriptedDrafter(None, delay_s=0.05)
+    gen = DSparkGenerator(tiny_llama, drafter, DSparkScheduler(cost=FLAT))
+    assert gen.draft_gate is not None
+    [first] = gen.generate([[5, 6, 7, 5, 6]], max_new_tokens=24)
+    first_calls, drafter.calls = drafter.calls, 0
+    [second] = gen.generate([[5, 6, 7, 5, 6]], max_new_tokens=24)
+    assert first.token_ids == second.token_ids == plain.token_ids
+    assert first_calls == 5 and drafter.calls <= 2  # probes at rounds 1, 3, 6, 11, 20; then a long pause
+    assert DSparkGenerator(tiny_llama, drafter, DSparkScheduler(cost=FLAT, gate=False)).draft_gate is None
