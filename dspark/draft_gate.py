@@ -46,19 +46,21 @@ class DraftGate:
     t_propose: float | None = None  # the drafter call alone, normalised likewise
     skip_left: int = 0
     next_skip: int = 1
-    skipped_rounds: int = 0  # rounds the gate said no, for the run's log
+
+    @property
+    def plain(self) -> float:
+        """A plain round's normalised time: measured, or the cost table's word (1.0) until then."""
+        return 1.0 if self.t_plain is None else self.t_plain
 
     def expected_speedup(self) -> float | None:
         """Tokens/s of a drafting round over a plain one, from the averages (None: no data)."""
         if self.gain is None or self.t_draft is None:
             return None
-        t_plain = 1.0 if self.t_plain is None else self.t_plain
-        return (1.0 + self.gain) * t_plain / self.t_draft
+        return (1.0 + self.gain) * self.plain / self.t_draft
 
     def should_draft(self) -> bool:
         if self.skip_left > 0:
             self.skip_left -= 1
-            self.skipped_rounds += 1
             return False
         return True
 
@@ -75,10 +77,15 @@ class DraftGate:
         self.gain = _ewma(self.gain, emitted / rows - 1.0, self.alpha)
         self.t_draft = _ewma(self.t_draft, seconds / unit, self.alpha)
         self.t_propose = _ewma(self.t_propose, propose_s / unit, self.alpha)
-        t_plain = 1.0 if self.t_plain is None else self.t_plain
         speedup = self.expected_speedup()
-        if speedup is not None and speedup < self.min_speedup and self.t_propose >= self.cheap * t_plain:
+        if speedup is not None and speedup < self.min_speedup and self.t_propose >= self.cheap * self.plain:
             self.skip_left = self.next_skip
             self.next_skip = min(2 * self.next_skip, self.max_skip)
         else:
             self.next_skip = 1
+
+
+def gate_for(scheduler) -> DraftGate | None:
+    """A fresh gate for a scheduler that asks for one and prices rounds with a cost table."""
+    cost = getattr(scheduler, "cost", None)
+    return DraftGate(cost.latency) if getattr(scheduler, "gates_drafting", False) and cost is not None else None

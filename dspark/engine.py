@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.draft_gate import DraftGate
+from dspark.draft_gate import DraftGate, gate_for
 from dspark.drafters.base import DraftRequest, Drafter, VerifyOutcome
 from dspark.metrics import RequestStats
 from dspark.models import TargetModel
@@ -81,15 +81,15 @@ class SpeculativeEngine:
         self.eos = set(target.eos_token_ids)
         self.vocab = target.vocab_size
         # Whether to draft at all, from measured round times and yields (dspark/draft_gate.py).
-        # On by default for schedulers that price verification with a cost table (`dspark`);
-        # the fixed and threshold policies verify what they are told to.
-        # A DraftGate instance is used as it is (the generator keeps one across calls).
-        cost = getattr(scheduler, "cost", None)
-        if draft_gate is None:
-            draft_gate = getattr(scheduler, "gates_drafting", False)
+        # None: as the scheduler asks (on for `dspark`, which prices rounds with a cost table;
+        # fixed and threshold policies verify what they are told to). A DraftGate instance is
+        # used as it is (a generator keeps one across calls).
         if isinstance(draft_gate, DraftGate):
             self.gate: DraftGate | None = draft_gate
+        elif draft_gate is None:
+            self.gate = gate_for(scheduler)
         elif draft_gate:
+            cost = getattr(scheduler, "cost", None)
             if cost is None:
                 raise ValueError("the draft gate needs the scheduler's cost table")
             self.gate = DraftGate(cost.latency)

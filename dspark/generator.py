@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.cost_model import load_or_profile
-from dspark.draft_gate import DraftGate
+from dspark.draft_gate import gate_for
 from dspark.drafters import make_drafter
 from dspark.drafters.base import Drafter
 from dspark.engine import Request, SpeculativeEngine
@@ -80,8 +80,7 @@ class DSparkGenerator:
         self.truncation = truncation
         # one draft gate for the generator's life: what it learned about this drafter on this
         # hardware carries over from call to call instead of being re-probed every time
-        cost = getattr(self.scheduler, "cost", None)
-        self.draft_gate = DraftGate(cost.latency) if getattr(self.scheduler, "gates_drafting", False) and cost else None
+        self.draft_gate = gate_for(self.scheduler)
 
     @classmethod
     def from_names(

@@ -199,9 +199,12 @@ class DSparkScheduler(Scheduler):
     def __post_init__(self) -> None:
         self.name = "dspark"
         self.needs_cost_table = self.cost is None
+
+    @property
+    def gates_drafting(self) -> bool:
         # hardware-aware means deciding whether to draft at all, too: a drafter that costs more
         # than its accepted tokens save is skipped (measured, from past rounds only)
-        self.gates_drafting = self.gate
+        return self.gate
 
     def budgets(self, trees: Sequence[DraftTree]) -> list[int]:
         if self.cost is None:
