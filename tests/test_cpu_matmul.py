@@ -1,0 +1,85 @@
+"""oneDNN-packed linear layers: same results as `nn.Linear`, same model, same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dspark.cpu_matmul import PackedLinear, is_packed, pack_linear_layers, packing_available
+from dspark.drafters.ngram import NgramDrafter
+from dspark.generator import DSparkGenerator
+from dspark.models import load_model, wrap_model
+from tests.conftest import tiny_model
+from tests.test_lossless_greedy import hf_greedy, ragged_prompts
+
+pytestmark = pytest.mark.skipif(
+    not packing_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (2, 9, 48), (17, 48)])
+@torch.no_grad()
+def test_packed_linear_matches_linear(bias, shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(*shape)
+    expected = linear(x)
+    got = packed(x)
+    assert got.shape == expected.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if x.numel() == 48:  # one row keeps the plain kernel, bit for bit
+        assert torch.equal(got, expected)
+
+
+def test_packed_linear_falls_back_when_training():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 8)
+    packed = PackedLinear(linear)
+    x = torch.randn(5, 16, requires_grad=True)
+    packed(x).sum().backward()  # the mkldnn path has no autograd: grad mode must take F.linear
+    assert x.grad is not None and linear.weight.grad is not None
+
+
+def test_packing_keeps_parameters_and_tied_head():
+    model = tiny_model("llama", 300, seed=0)
+    keys_before = set(model.state_dict())
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linear_layers(model) == n_linear > 0
+    assert is_packed(model)
+    assert set(model.state_dict()) == keys_before  # the packed copies are not state
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert pack_linear_layers(model) == 0  # already packed: nothing left to swap
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_packed_target_speculates_losslessly(batch_size, smol_tokenizer):
+    """The engine on a packed target equals transformers' greedy on the unpacked twin."""
+    plain = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0), smol_tokenizer, "plain")
+    packed_model = tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0)
+    pack_linear_layers(packed_model)
+    packed = wrap_model(packed_model, smol_tokenizer, "packed")
+    prompts = ragged_prompts(6, seed=5)
+    expected = [hf_greedy(plain, p, 20) for p in prompts]
+    results = DSparkGenerator(packed, NgramDrafter(), "fixed:4", max_batch_size=batch_size).generate(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.verified for r in results) > 0
+
+
+@pytest.mark.embedded
+def test_embedded_target_is_packed_and_unchanged(embedded_fp32):
+    """load_model packs the CPU float32 target; its greedy tokens match the unpacked model's."""
+    assert is_packed(embedded_fp32.model)
+    plain = load_model("smollm2-135m-instruct", dtype="float32", device="cpu", pack_weights=False)
+    assert not is_packed(plain.model)
+    prompts = [plain.encode(p) for p in ("Name three primary colours.", "Write a haiku about rain.")]
+    expected = [hf_greedy(plain, p, 24) for p in prompts]
+    results = DSparkGenerator(embedded_fp32, "ngram", "fixed:4", max_batch_size=2).generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in results] == expected
+
+
+def test_pack_weights_true_refuses_where_unavailable():
+    with pytest.raises(ValueError, match="oneDNN"):
+        load_model("smollm2-135m-instruct", dtype="bfloat16", device="cpu", pack_weights=True)
