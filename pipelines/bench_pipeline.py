@@ -13,7 +13,9 @@ What it does:
      scheduler, same target, drafter, dtype, batch size and max_new_tokens;
   3. calls `DSparkGenerator.generate` directly on the same rendered prompts (one call, same
      batch size), timing model loading separately;
-  4. writes OUT/bench.json and prints a table.
+  4. with `--repeats N`, runs steps 2-3 N times, rotating their order so that load from other
+     work on a shared machine hits every run alike; figures are per-field medians;
+  5. writes OUT/bench.json (every repeat included) and prints a table.
 Figures: `job tok/s` = output tokens / the whole job's wall time (model load, Beam, writes
 included); `engine tok/s` = output tokens / time inside engine calls. speedup = dspark / ar;
 overhead = pipeline job wall / (direct load + generate wall) - 1.
@@ -25,6 +27,7 @@ import argparse
 import hashlib
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -126,6 +129,18 @@ def run_direct(args: argparse.Namespace, rows: list[dict], scheduler: str) -> tu
     }, [r.text for r in results]
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per-field median over repeats of one run (numbers only, missing values skipped; other
+    fields from the first)."""
+    out = dict(runs[0])
+    for key in runs[0]:
+        numbers = [r[key] for r in runs if isinstance(r[key], (int, float)) and not isinstance(r[key], bool)]
+        if numbers:
+            out[key] = statistics.median(numbers)
+    out["repeats"] = len(runs)
+    return out
+
+
 def warm_up(args: argparse.Namespace) -> None:
     """Untimed: import torch/transformers, de-quantise and cache the target, profile the DSpark
     cost table, so that whichever run comes first does not pay these one-off costs."""
@@ -158,8 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--schedulers", nargs="+", default=["dspark", "ar"], help="the first is compared with the others")
     p.add_argument("--skip-direct", action="store_true", help="do not call the engine directly")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every job this many times, rotating their order; figures are per-field medians")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    main_s = args.schedulers[0]
     from pipelines.generate import configure_logging
 
     configure_logging()
@@ -170,25 +190,43 @@ def main(argv: list[str] | None = None) -> None:
     shard_rows = [r for path in paths for r in pq.read_table(path).to_pylist()]  # pipeline order, for the direct call
     LOG.info("Benchmark shards: %d x %d prompts in %s", args.shards, args.rows_per_shard, args.out / "shards")
 
-    pipeline = {s: run_pipeline(args, str(args.out / "shards" / "*.parquet"), s, args.out / f"pipeline-{s.replace(':', '_')}")
-                for s in args.schedulers}
-    report: dict = {"config": {k: str(v) for k, v in vars(args).items()}, "pipeline": pipeline}
-    main_s = args.schedulers[0]
+    runs = [f"pipeline {s}" for s in args.schedulers] + ([] if args.skip_direct else [f"direct {main_s}"])
+    per_repeat: dict[str, list[dict]] = {name: [] for name in runs}
+    got: dict[str, str] = {}
+    texts: list[str] = []
+    for rep in range(args.repeats):
+        # rotate the order each repeat, so load from other work hits every run alike
+        for name in runs[rep % len(runs):] + runs[: rep % len(runs)]:
+            kind, _, sched = name.partition(" ")
+            LOG.info("Repeat %d/%d: %s", rep + 1, args.repeats, name)
+            if kind == "pipeline":
+                out = args.out / f"pipeline-{sched.replace(':', '_')}"
+                per_repeat[name].append(run_pipeline(args, str(args.out / "shards" / "*.parquet"), sched, out))
+                if sched == main_s and not got:
+                    got = outputs_by_id(out)
+            else:
+                # rows the pipeline refused would fail the whole direct call; the main pipeline
+                # runs first in repeat 1, so `got` is known by then
+                direct_rows = [r for r in shard_rows if r["id"] in got]
+                result, texts = run_direct(args, direct_rows, main_s)
+                per_repeat[name].append(result)
+    pipeline = {s: median_run(per_repeat[f"pipeline {s}"]) for s in args.schedulers}
+    report: dict = {"config": {k: str(v) for k, v in vars(args).items()}, "pipeline": pipeline,
+                    "repeats": per_repeat}
     for other in args.schedulers[1:]:
         report[f"speedup_{main_s}_vs_{other}"] = {
             "job": pipeline[main_s]["job_tokens_per_s"] / pipeline[other]["job_tokens_per_s"],
             "engine": pipeline[main_s]["engine_tokens_per_s"] / pipeline[other]["engine_tokens_per_s"],
         }
     if not args.skip_direct:
-        got = outputs_by_id(args.out / f"pipeline-{main_s.replace(':', '_')}")
-        shard_rows = [r for r in shard_rows if r["id"] in got]  # rows the pipeline refused would fail the whole call
-        direct, texts = run_direct(args, shard_rows, main_s)
+        direct = median_run(per_repeat[f"direct {main_s}"])
+        direct_rows = [r for r in shard_rows if r["id"] in got]
         report["direct"] = direct
         report["pipeline_overhead"] = {
             "job_wall_vs_direct_load_plus_generate": pipeline[main_s]["job_wall_s"] / (direct["load_s"] + direct["generate_s"]) - 1,
             "engine_tokens_per_s_vs_direct": 1 - pipeline[main_s]["engine_tokens_per_s"] / direct["tokens_per_s"],
         }
-        report["outputs_equal_to_direct"] = sum(got.get(r["id"]) == t for r, t in zip(shard_rows, texts)) / len(texts)
+        report["outputs_equal_to_direct"] = sum(got.get(r["id"]) == t for r, t in zip(direct_rows, texts)) / len(texts)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2))
 
     print(f"\n{'run':<22}{'tokens':>8}{'wall s':>9}{'job tok/s':>11}{'engine tok/s':>14}{'tau':>7}")

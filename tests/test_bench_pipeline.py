@@ -1,0 +1,25 @@
+"""The pipeline benchmark's bookkeeping: repeated runs reduce to per-field medians."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.bench_pipeline import main, median_run
+
+
+def test_median_run_takes_each_numeric_field_median():
+    runs = [
+        {"scheduler": "dspark", "job_tokens_per_s": 10.0, "output_tokens": 300, "mean_accepted_length": None},
+        {"scheduler": "dspark", "job_tokens_per_s": 30.0, "output_tokens": 300, "mean_accepted_length": 1.5},
+        {"scheduler": "dspark", "job_tokens_per_s": 12.0, "output_tokens": 300, "mean_accepted_length": 1.7},
+    ]
+    m = median_run(runs)
+    assert m["job_tokens_per_s"] == 12.0  # one noisy repeat does not move it
+    assert m["output_tokens"] == 300 and m["scheduler"] == "dspark" and m["repeats"] == 3
+    assert m["mean_accepted_length"] == pytest.approx(1.6)  # missing values are skipped
+
+
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err
