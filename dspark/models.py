@@ -230,8 +230,12 @@ def load_model(
         local_files_only=True,
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
-        attn_implementation=ATTN_IMPLEMENTATION,  # sdpa, minus a KV-cache copy per verify forward
+        attn_implementation="sdpa",
     )
+    try:  # sdpa minus a KV-cache copy per verify forward (dspark/attention.py)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    except (ValueError, ImportError):  # architectures without pluggable attention keep sdpa
+        pass
     model.to(dev).eval()
     model.requires_grad_(False)
     if pack_weights is not False:

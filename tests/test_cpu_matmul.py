@@ -70,8 +70,10 @@ def test_packed_target_speculates_losslessly(batch_size, smol_tokenizer):
 
 @pytest.mark.embedded
 def test_embedded_target_is_packed_and_unchanged(embedded_fp32):
-    """load_model packs the CPU float32 target; its greedy tokens match the unpacked model's."""
+    """load_model packs the CPU float32 target (and picks dspark_sdpa); its greedy tokens match
+    the unpacked model's."""
     assert is_packed(embedded_fp32.model)
+    assert embedded_fp32.model.config._attn_implementation == "dspark_sdpa"
     plain = load_model("smollm2-135m-instruct", dtype="float32", device="cpu", pack_weights=False)
     assert not is_packed(plain.model)
     prompts = [plain.encode(p) for p in ("Name three primary colours.", "Write a haiku about rain.")]
