@@ -6,7 +6,8 @@ a tree/padding mask), transformers' `sdpa` expands the key/value heads to all qu
 grouped-query attention with a mask directly (`enable_gqa=True`), so `dspark_sdpa` calls it
 that way: the same attention, computed over the KV heads in place. Measured for SmolLM2-135M
 (3 KV heads for 9 query heads) at 900 tokens of context, 1 thread: a 2-token forward
-161 -> 127 ms, 8 tokens 222 -> 193 ms. Everything else goes to transformers' own `sdpa`.
+192 -> 155 ms, 8 tokens 266 -> 229 ms, logits bit-identical. Everything else goes to
+transformers' own `sdpa`.
 """
 
 from __future__ import annotations

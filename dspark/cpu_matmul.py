@@ -99,22 +99,22 @@ def pack_linear_layers(model: nn.Module, rows_hint: int = PACK_ROWS_HINT) -> int
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
-    packed = {}
-    for parent, name, child in swaps:
-        packed[(parent, name)] = PackedLinear(child, rows_hint)
-        setattr(parent, name, packed[(parent, name)])
-    _build_kernels(packed.values())
+    packed = [PackedLinear(child, rows_hint) for _, _, child in swaps]
+    for (parent, name, _), layer in zip(swaps, packed):
+        setattr(parent, name, layer)
+    _build_kernels(packed)
     extra = sum(child.weight.numel() for _, _, child in swaps) * p.element_size()
     LOG.info("Packed %d linear layers for oneDNN (%.0f MB extra memory)", len(swaps), extra / 2**20)
     return len(swaps)
 
 
 def row_buckets() -> list[int]:
+    """Every padded row count a packed call can use."""
     return sorted({padded_rows(r) for r in range(2, PACKED_MAX_ROWS + 1)})
 
 
 @torch.no_grad()
-def _build_kernels(layers) -> None:
+def _build_kernels(layers: list[PackedLinear]) -> None:
     """Run each distinct layer shape once per row bucket, so oneDNN's kernel cache is full
     before the first request (its kernels depend on shapes, not on the weights)."""
     shapes = {}

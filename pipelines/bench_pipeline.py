@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [f"pipeline {s}" for s in args.schedulers] + ([] if args.skip_direct else [f"direct {main_s}"])
     per_repeat: dict[str, list[dict]] = {name: [] for name in runs}
     got: dict[str, str] = {}
+    direct_rows: list[dict] = []
     texts: list[str] = []
     for rep in range(args.repeats):
         # rotate the order each repeat, so load from other work hits every run alike
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 # rows the pipeline refused would fail the whole direct call; the main pipeline
                 # runs first in repeat 1, so `got` is known by then
-                direct_rows = [r for r in shard_rows if r["id"] in got]
+                direct_rows = direct_rows or [r for r in shard_rows if r["id"] in got]
                 result, texts = run_direct(args, direct_rows, main_s)
                 per_repeat[name].append(result)
     pipeline = {s: median_run(per_repeat[f"pipeline {s}"]) for s in args.schedulers}
@@ -220,7 +221,6 @@ def main(argv: list[str] | None = None) -> None:
         }
     if not args.skip_direct:
         direct = median_run(per_repeat[f"direct {main_s}"])
-        direct_rows = [r for r in shard_rows if r["id"] in got]
         report["direct"] = direct
         report["pipeline_overhead"] = {
             "job_wall_vs_direct_load_plus_generate": pipeline[main_s]["job_wall_s"] / (direct["load_s"] + direct["generate_s"]) - 1,

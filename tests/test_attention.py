@@ -22,8 +22,16 @@ def tiny_gqa(arch: str, implementation: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tree_block_logits_equal_transformers_sdpa(arch):
+def test_tree_block_logits_equal_transformers_sdpa(arch, monkeypatch):
     """A ragged batch with a tree block: the masked, multi-token path this module replaces."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    grouped_calls = []
+
+    def spy(*args, **kwargs):
+        grouped_calls.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     blocks = [
         ([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2]),  # a tree: nodes 1 and 2 are siblings
         ([11, 12], [-1, 0]),  # a shorter row, padded
@@ -32,7 +40,10 @@ def test_tree_block_logits_equal_transformers_sdpa(arch):
     for impl in ("sdpa", ATTN_IMPLEMENTATION):
         runner = ModelRunner(tiny_gqa(arch, impl))
         runner.cache, _ = runner.prefill([list(range(20, 45)), list(range(50, 60))])
+        grouped_calls.clear()
         logits[impl] = runner.forward_block(blocks).logits
+        # transformers' sdpa expands the KV heads (repeat_kv); dspark_sdpa attends over them in place
+        assert all(grouped_calls) == (impl == ATTN_IMPLEMENTATION) and grouped_calls
     torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)
 
 
