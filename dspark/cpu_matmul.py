@@ -102,7 +102,7 @@ def pack_linear_layers(model: nn.Module, rows_hint: int = PACK_ROWS_HINT) -> int
     packed = [PackedLinear(child, rows_hint) for _, _, child in swaps]
     for (parent, name, _), layer in zip(swaps, packed):
         setattr(parent, name, layer)
-    _build_kernels(packed)
+    build_kernels(packed)
     extra = sum(child.weight.numel() for _, _, child in swaps) * p.element_size()
     LOG.info("Packed %d linear layers for oneDNN (%.0f MB extra memory)", len(swaps), extra / 2**20)
     return len(swaps)
@@ -114,7 +114,7 @@ def row_buckets() -> list[int]:
 
 
 @torch.no_grad()
-def _build_kernels(layers: list[PackedLinear]) -> None:
+def build_kernels(layers: list[PackedLinear]) -> None:
     """Run each distinct layer shape once per row bucket, so oneDNN's kernel cache is full
     before the first request (its kernels depend on shapes, not on the weights)."""
     shapes = {}

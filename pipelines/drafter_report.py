@@ -50,13 +50,16 @@ def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
     # 1. tau per domain
     doms = [d for d in results["dspark"]["tau"] if d != "all"] + ["all"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    w = 0.38
+    w = 0.8 / len(results)
     for i, (name, res) in enumerate(results.items()):
-        ax.bar(np.arange(len(doms)) + (i - 0.5) * w, [res["tau"].get(d, np.nan) for d in doms], w, label=res["label"])
+        offset = (i - (len(results) - 1) / 2) * w
+        ax.bar(np.arange(len(doms)) + offset, [res["tau"].get(d, np.nan) for d in doms], w, label=res["label"])
     ax.set_xticks(np.arange(len(doms)), doms)
     ax.set_ylabel(f"tau (greedy, gamma {gamma})")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.legend()
+    top = max(v for res in results.values() for v in res["tau"].values())
+    ax.set_ylim(0, top * (1.2 + 0.1 * len(results)))  # head room: the legend sits above the bars
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "tau_per_domain.png", dpi=120)
     files.append("tau_per_domain.png")
@@ -123,17 +126,22 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     reader = CacheReader(work / "cache" / "eval")
     rows = list(range(len(reader.rows)))
     model, ck = load_model_for_target(checkpoint, target, dtype=torch.float32)
+    vocab = ck.draft_vocab  # what the drafter proposes from at run time; the ablation gets the same
+    vocab_note = "" if vocab is None else f", draft vocabulary {len(vocab)}"
     t0 = time.time()
-    res = evaluate(model, reader, rows, stride, max_blocks)
+    res = evaluate(model, reader, rows, stride, max_blocks, draft_vocab=vocab)
     steps = {"dspark": _trained_steps(ck)}
-    runs = {"dspark": (res, f"DSpark (Markov rank {model.cfg.markov_rank}){_steps_label(steps['dspark'])}")}
+    runs = {"dspark": (res, f"DSpark (Markov rank {model.cfg.markov_rank}){_steps_label(steps['dspark'])}{vocab_note}")}
     if ablation is not None and (ablation / "config.json").is_file():
         abl, abl_ck = load_model_for_target(ablation, target, dtype=torch.float32)
         steps["parallel"] = _trained_steps(abl_ck)
-        label = f"parallel-only (trained without Markov head){_steps_label(steps['parallel'])}"
-        runs["parallel"] = (evaluate(abl, reader, rows, stride, max_blocks), label)
+        label = f"parallel-only (trained without Markov head){_steps_label(steps['parallel'])}{vocab_note}"
+        runs["parallel"] = (evaluate(abl, reader, rows, stride, max_blocks, draft_vocab=vocab), label)
     else:
-        runs["parallel"] = (evaluate(model, reader, rows, stride, max_blocks, markov=False), "parallel-only (Markov bias off at inference; no retrained ablation)")
+        label = f"parallel-only (Markov bias off at inference; no retrained ablation){vocab_note}"
+        runs["parallel"] = (evaluate(model, reader, rows, stride, max_blocks, markov=False, draft_vocab=vocab), label)
+    if vocab is not None:
+        runs["dspark_full_vocab"] = (evaluate(model, reader, rows, stride, max_blocks), "DSpark, whole vocabulary")
     eval_s = time.time() - t0
     gamma = model.cfg.gamma
     results = {}

@@ -6,7 +6,9 @@ Stages (all by default, each resumable; rerun the same command to continue):
              eval and calib splits first (capped per source), then train
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/state
   calibrate  Sequential Temperature Scaling on the calib split; writes the final checkpoint
-             (safetensors + config.json with temperatures and target fingerprint) to `output`
+             (safetensors + config.json with temperatures and target fingerprint) to `output`,
+             plus draft_vocab.safetensors when the config sets `draft_vocab: N` (the drafter
+             then proposes only the N tokens the target emits most; calibration uses it too)
 
 Big artefacts live in work_dir (outside the repository); only `output` is meant to be committed.
 """
@@ -174,6 +176,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
 
     from dspark.dspark_drafter import Fingerprint, build_model, save_checkpoint
     from dspark.dspark_drafter.calibration import sequential_temperature_scaling
+    from dspark.dspark_drafter.vocab import VOCAB_FILE, save_draft_vocab
     from dspark.training.trainer import evaluate, load_state
 
     readers = _readers(work)
@@ -185,7 +188,10 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
         raise SystemExit(f"no training state in {state_dir(cfg, work)}: run the train stage first")
     split = "calib" if "calib" in readers else "eval"
     ev = cfg.get("eval") or {}
-    res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"))
+    vocab, vocab_info = draft_vocabulary(cfg, target, work)
+    if vocab is not None:
+        log(f"draft vocabulary: {vocab_info}")
+    res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
     sts = sequential_temperature_scaling(res.conf_logits, res.accepted)
     log(f"calibrate on {split} ({len(res.domains)} blocks): T = {[round(t, 3) for t in sts.temperatures]}, "
         f"ECE {sts.ece_before:.4f} -> {sts.ece_after:.4f}, AUC {sts.auc_before:.3f} -> {sts.auc_after:.3f}")
@@ -203,14 +209,43 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
             "history": counters.get("history", [])[-5:],
             "config": counters.get("config"),
         },
+        "draft_vocab": vocab_info,
     }
     if "eval" in readers:
-        er = evaluate(model, readers["eval"], list(range(len(readers["eval"].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"))
+        er = evaluate(model, readers["eval"], list(range(len(readers["eval"].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
         extra["eval_tau_greedy"] = er.tau_by_domain()
         log(f"eval tau (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
     save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra)
+    stale = output / VOCAB_FILE
+    if vocab is not None:
+        save_draft_vocab(output, vocab)
+    elif stale.is_file():
+        stale.unlink()
     log(f"checkpoint written to {output} ({sum(f.stat().st_size for f in output.iterdir()) / 1e6:.1f} MB)")
     return extra
+
+
+def draft_vocabulary(cfg: dict, target, work: Path):
+    """(token ids, card info) of the reduced draft vocabulary (`draft_vocab: N` in the config:
+    the N tokens the target emitted most often in its train-split answers, plus EOS), or
+    (None, None) to draft from the whole vocabulary."""
+    size = cfg.get("draft_vocab")
+    if not size:
+        return None, None
+    from dspark.dspark_drafter.vocab import frequent_tokens
+    from dspark.training.record import answer_tokens
+
+    answers = work / "cache" / "train" / "answers.jsonl"
+    if not answers.is_file():
+        raise SystemExit(f"draft_vocab needs the train answers ({answers}): run the generate stage first")
+    ids = frequent_tokens(answer_tokens(answers), int(size), always=target.eos_token_ids)
+    info = {"size": len(ids), "requested": int(size), "source": "most frequent tokens of the train-split answers, plus EOS"}
+    held_out = work / "cache" / "eval" / "answers.jsonl"
+    if held_out.is_file():
+        keep = set(ids.tolist())
+        toks = [t for seq in answer_tokens(held_out) for t in seq]
+        info["eval_answer_coverage"] = sum(t in keep for t in toks) / max(1, len(toks))
+    return ids, info
 
 
 def main(argv: list[str] | None = None) -> int:

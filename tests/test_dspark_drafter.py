@@ -22,6 +22,7 @@ from dspark.dspark_drafter import (
 from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
 from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
+from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.sampling import SamplingParams
 from dspark.training.tiny import tiny_target
 
@@ -371,3 +372,80 @@ def test_shipped_checkpoint_loads_for_the_embedded_target(embedded_fp32):
     (tree,) = drafter.propose([req], 7)
     tree.validate(embedded_fp32.vocab_size)
     assert 1 <= tree.max_depth() <= 7
+
+
+# ---------------------------------------------------------------- reduced draft vocabulary
+
+
+def test_frequent_tokens_ranks_by_count_then_id_and_keeps_always():
+    seqs = [[5, 5, 5, 9, 9, 2], [9, 7, 7, 3]]
+    assert frequent_tokens(seqs, 2).tolist() == [5, 9]  # 5 x3, 9 x3
+    assert frequent_tokens(seqs, 3).tolist() == [5, 7, 9]  # 7 x2 beats 2 and 3
+    assert frequent_tokens(seqs, 1, always=[0]).tolist() == [0, 5]
+    with pytest.raises(ValueError):
+        frequent_tokens(seqs, 0)
+
+
+def masked_greedy_chain(model, ctx, valid, anchor, subset, depth):
+    """What a reduced-vocabulary drafter must propose: the full model's Markov chain with
+    every token outside `subset` forbidden."""
+    out = model.forward_block(ctx, valid, anchor, depth)
+    forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
+    forbid[subset] = 0.0
+    prev, chain = anchor, []
+    for k in range(depth):
+        logits = out.base_logits[:, k] + model.markov_bias(model.markov_features(prev)) + forbid
+        prev = logits.argmax(-1)
+        chain.append(int(prev))
+    return chain
+
+
+def test_reduced_vocab_drafts_the_masked_chain(target):
+    model = make_model(target)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    subset = torch.tensor([3, 10, 11, 40, 41, 42, 77, 90])
+    drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset)
+    req = DraftRequest(0, [5, 6, 7], SamplingParams())
+    drafter.start(req, fake_hidden(drafter, 4))
+    (tree,) = drafter.propose([req], 5)
+    tree.validate(96)
+    assert set(tree.tokens) <= set(subset.tolist())
+    ctx, valid = req.state["ctx"][None], torch.ones(1, drafter.cfg.context_len, dtype=torch.bool)
+    ctx = torch.cat([torch.zeros(1, drafter.cfg.context_len - ctx.shape[1], ctx.shape[2]), ctx], 1)
+    valid[0, : drafter.cfg.context_len - 4] = False
+    assert tree.tokens == masked_greedy_chain(model, ctx, valid, torch.tensor([7]), subset, 5)
+    # the whole vocabulary as the "subset" drafts exactly what the full drafter drafts
+    everything = DSparkDrafter(model, eos_token_ids=[], draft_vocab=torch.arange(96))
+    full = DSparkDrafter(model, eos_token_ids=[])
+    for d in (everything, full):
+        d.start(req, fake_hidden(drafter, 4))
+    a, b = everything.propose([req], 5)[0], full.propose([req], 5)[0]
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    assert a.confidence == pytest.approx(b.confidence, abs=1e-6)
+
+
+def test_reduced_vocab_sampling_q_lives_on_the_subset(target):
+    subset = torch.tensor([1, 2, 3, 50, 60, 70])
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3, draft_vocab=subset)
+    req = DraftRequest(0, [5, 6, 7], SamplingParams(temperature=1.0))
+    drafter.start(req, fake_hidden(drafter, 2))
+    (tree,) = drafter.propose([req], 5)
+    for tok, q in zip(tree.tokens, tree.q):
+        assert q.shape == (96,) and float(q.sum()) == pytest.approx(1.0, abs=1e-5)
+        assert tok in subset.tolist() and q[tok] > 0
+        outside = torch.ones(96, dtype=torch.bool)
+        outside[subset] = False
+        assert float(q[outside].abs().sum()) == 0.0
+
+
+def test_checkpoint_carries_its_draft_vocabulary(tmp_path, target):
+    model = make_model(target)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target))
+    assert load_drafter(tmp_path / "ck", target).vocab.token_ids is None  # none saved: all V
+    save_draft_vocab(tmp_path / "ck", torch.tensor([2, 4, 8, 16]))
+    assert load_drafter(tmp_path / "ck", target).vocab.token_ids.tolist() == [2, 4, 8, 16]
+    assert load_drafter(tmp_path / "ck", target, full_vocab=True).vocab.token_ids is None
+    save_draft_vocab(tmp_path / "ck", torch.tensor([2, 4, 500]))  # 500 >= vocab size 96
+    with pytest.raises(ValueError, match="inside the vocabulary"):
+        load_drafter(tmp_path / "ck", target)

@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
+from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
 from dspark.sampling import SamplingParams, probs_from_logits
@@ -151,7 +152,18 @@ def small_vocab_target():
     return wrap_model(model, tok, "tiny-8")
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram-tree"])
+def reduced_vocab_dspark_drafter(target) -> DSparkDrafter:
+    """A random-weight DSpark drafter that may only propose 4 of the 8 tokens: its q is zero on
+    the other 4, which the target still produces (through the residual distribution)."""
+    torch.manual_seed(5)
+    cfg = DSparkConfig.for_target(target.model.config, num_layers=1, context_len=4, gamma=3, markov_rank=4)
+    model = build_model(cfg, target.model)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    return DSparkDrafter(model, eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]))
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram-tree", "dspark-reduced-vocab"])
 def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_kind):
     target = small_vocab_target
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
@@ -159,6 +171,8 @@ def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_k
     if drafter_kind == "draft-model":
         draft = wrap_model(tiny_model("llama", VOCAB, seed=11, hidden=32, layers=1, eos=None), target.tokenizer, "d")
         drafter = DraftModelDrafter(draft, target)
+    elif drafter_kind == "dspark-reduced-vocab":
+        drafter = reduced_vocab_dspark_drafter(target)
     else:
         drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
     gen = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32)

@@ -13,7 +13,8 @@ import torch
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
 from dspark.training.data import Prompt, load_prompts, split_of
-from dspark.training.record import generate_with_cache
+from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
+from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
 from dspark.training.trainer import TrainConfig, evaluate, train
 
@@ -153,6 +154,20 @@ def test_tiny_train_then_generate_is_lossless(cache_dir, target, tmp_path):
     drafter = load_drafter(tmp_path / "ck", target, options=DrafterOptions(branch_width=3, branch_ratio=0.0))
     got = DSparkGenerator(target, drafter=drafter, scheduler="fixed:8", max_batch_size=4).generate(prompts, max_new_tokens=20)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    # A reduced draft vocabulary (8 of the 12 tokens the target emitted; each tiny answer repeats
+    # one token) is still lossless, chains and trees, at batch 1 and 3, and still accepts drafts
+    # on the training prompts whose answer token it kept.
+    vocab = frequent_tokens(answer_tokens(cache_dir / "answers.jsonl"), 8)
+    assert len(vocab) == 8
+    save_draft_vocab(tmp_path / "ck", vocab)
+    seen = [ids for _, ids in tiny_plan(12)][:6]
+    ref = DSparkGenerator(target, drafter=None, scheduler="ar", max_batch_size=4).generate(seen + prompts, max_new_tokens=20)
+    for width, batch in ((1, 1), (3, 3)):
+        drafter = load_drafter(tmp_path / "ck", target, options=DrafterOptions(branch_width=width, branch_ratio=0.0))
+        assert drafter.vocab.size == 8
+        got = DSparkGenerator(target, drafter=drafter, scheduler="fixed:4", max_batch_size=batch).generate(seen + prompts, max_new_tokens=20)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+        assert sum(r.stats.accepted for r in got) > 0
 
 
 def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
@@ -196,3 +211,17 @@ def test_threshold_sweep_counts_verified_prefix():
     # t=0: all 3 verified per row; accepted prefixes 2 and 0 -> tokens/step 1 + 1 = 2
     assert tps.tolist() == [2.0, 2.0, 1.5] and ver.tolist() == [3.0, 2.5, 2.0]
     assert rate.tolist() == pytest.approx([2 / 6, 2 / 5, 1 / 4])
+
+
+def test_draft_vocabulary_comes_from_train_answers_and_reports_coverage(tmp_path, target):
+    from pipelines.train_drafter import draft_vocabulary
+
+    assert draft_vocabulary({}, target, tmp_path) == (None, None)  # not configured: whole vocabulary
+    with pytest.raises(SystemExit, match="generate stage"):
+        draft_vocabulary({"draft_vocab": 2}, target, tmp_path)
+    for split, answers in (("train", [[5, 5, 6], [6, 7, 5]]), ("eval", [[5, 9], [6, 6]])):
+        (tmp_path / "cache" / split).mkdir(parents=True)
+        (tmp_path / "cache" / split / "answers.jsonl").write_text("".join(json.dumps({"output_ids": a}) + "\n" for a in answers))
+    ids, info = draft_vocabulary({"draft_vocab": 2}, target, tmp_path)
+    assert ids.tolist() == sorted({5, 6} | set(target.eos_token_ids))
+    assert info["eval_answer_coverage"] == pytest.approx(3 / 4)  # 9 is not in the vocabulary

@@ -1,9 +1,12 @@
 """Drafter registry: build a drafter from its name.
 
     none                 no drafting (plain autoregressive)
-    ngram                model-free context lookup, multi-candidate trees
+    ngram[:MAX[:MIN]]    model-free context lookup of the last MAX..MIN tokens (default 4..2),
+                         multi-candidate trees
     draft-model:PATH     a smaller causal LM sharing the target's tokenizer (dir or .gguf)
-    dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint)
+    dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint),
+                         drafting from the checkpoint's reduced vocabulary when it has one
+    dspark-full[:PATH]   the same drafter over the whole vocabulary (for comparisons)
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
     if name in ("none", "ar", ""):
         return NoDrafter()
     if name == "ngram":
-        return NgramDrafter(max_ngram=int(arg)) if arg else NgramDrafter()
+        max_n, _, min_n = arg.partition(":")
+        kwargs = {"max_ngram": int(max_n)} if max_n else {}
+        if min_n:
+            kwargs["min_ngram"] = int(min_n)
+        return NgramDrafter(**kwargs)
     if name == "draft-model":
         if not arg:
             raise ValueError("draft-model needs a path: draft-model:/path/to/model")
@@ -29,8 +36,8 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
 
         draft = load_model(arg, device=str(target.device), dtype=target.dtype)
         return DraftModelDrafter(draft, target)
-    if name == "dspark":
+    if name in ("dspark", "dspark-full"):
         from dspark.dspark_drafter import load_drafter  # the trained block drafter (issue 3)
 
-        return load_drafter(arg or None, target)
-    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH or dspark[:PATH]")
+        return load_drafter(arg or None, target, full_vocab=name == "dspark-full")
+    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH] or dspark-full[:PATH]")

@@ -38,16 +38,19 @@ def load_drafter(
     options: DrafterOptions | None = None,
     allow_name_mismatch: bool = False,
     seed: int = 0,
+    full_vocab: bool = False,
 ) -> DSparkDrafter:
     """Build the engine plug-in from a checkpoint directory (or None / "default" / "dspark"
     for the shipped one) for `target` (a dspark.models.TargetModel). Raises
-    TargetMismatchError when the checkpoint belongs to another target."""
+    TargetMismatchError when the checkpoint belongs to another target. The drafter proposes
+    from the checkpoint's reduced vocabulary when it has one, unless `full_vocab`."""
     if path_or_default in (None, "", "default", "dspark"):
         path = default_checkpoint(target)
     else:
         path = Path(path_or_default)
     model, ck = load_model_for_target(path, target, allow_name_mismatch=allow_name_mismatch)
-    return DSparkDrafter(model, ck.temperatures, options=options, eos_token_ids=target.eos_token_ids, seed=seed)
+    vocab = None if full_vocab else ck.draft_vocab
+    return DSparkDrafter(model, ck.temperatures, options=options, eos_token_ids=target.eos_token_ids, seed=seed, draft_vocab=vocab)
 
 
 __all__ = [

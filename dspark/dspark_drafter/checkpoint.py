@@ -1,5 +1,6 @@
-"""Drafter checkpoints: a directory with `model.safetensors` (trainable weights only) and
-`config.json` (architecture, STS temperatures, target fingerprint, training notes).
+"""Drafter checkpoints: a directory with `model.safetensors` (trainable weights only),
+`config.json` (architecture, STS temperatures, target fingerprint, training notes) and,
+optionally, `draft_vocab.safetensors` (the reduced draft vocabulary, `vocab.py`).
 
 The target's embedding and LM head are not stored: they are shared, frozen and re-attached
 from the target at load time, which is why loading checks the target's fingerprint first.
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
+from dspark.dspark_drafter.vocab import read_draft_vocab
 
 FORMAT = "dspark-drafter"
 VERSION = 1
@@ -73,6 +75,7 @@ class Checkpoint:
     temperatures: list[float] | None = None
     target: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration figures, training card data
+    draft_vocab: torch.Tensor | None = None  # sorted token ids the drafter proposes from; None = all
 
 
 def save_checkpoint(
@@ -113,12 +116,14 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"{p / CONFIG} is not a {FORMAT} config (format={meta.get('format')!r})")
     if int(meta.get("version", 0)) > VERSION:
         raise ValueError(f"{p} has checkpoint version {meta['version']}; this DSpark reads up to {VERSION}")
+    config = DSparkConfig.from_dict(meta["architecture"])
     return Checkpoint(
-        config=DSparkConfig.from_dict(meta["architecture"]),
+        config=config,
         state=load_file(str(p / WEIGHTS)),
         temperatures=(meta.get("calibration") or {}).get("temperatures"),
         target=meta.get("target") or {},
         extra=meta.get("extra") or {},
+        draft_vocab=read_draft_vocab(p, config.vocab_size),
     )
 
 

@@ -15,6 +15,10 @@ to right:
 Confidence c_k = sigmoid((w · [h_k ; W1[x_{k-1}]] + b) / T_k) uses the parent's token only. A
 sibling candidate j (j >= 2) gets (1 - c_k) · p_j / (1 - p_1): the miss mass shared in
 proportion to the drafter's own probabilities (a function of the ancestors only).
+
+With a reduced draft vocabulary (`dspark.dspark_drafter.vocab`) every distribution above is
+over those tokens only; a sampled chain's q is zero elsewhere, which rejection sampling
+handles exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
 from dspark.dspark_drafter.model import DSparkModel
+from dspark.dspark_drafter.vocab import DraftVocab
 from dspark.sampling import probs_from_logits
 from dspark.tree import DraftTree
 
@@ -48,8 +53,10 @@ class DSparkDrafter(DrafterBase):
         options: DrafterOptions | None = None,
         eos_token_ids: list[int] | None = None,
         seed: int = 0,
+        draft_vocab: torch.Tensor | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        self.vocab = DraftVocab(self.model, draft_vocab)  # None: draft from the whole vocabulary
         self.cfg = model.cfg
         self.target_layers = tuple(self.cfg.target_layers)
         t = temperatures or [1.0] * self.cfg.gamma
@@ -104,22 +111,23 @@ class DSparkDrafter(DrafterBase):
             return [DraftTree() for _ in requests]
         ctx, valid = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
-        out = self.model.forward_block(ctx, valid, anchors, depth)
+        h, conf_h = self.model.backbone(ctx, valid, anchors, depth)  # [B, depth, d], [B, depth]
+        base_logits = self.vocab.logits(h)  # [B, depth, Vd]
         trees = [DraftTree() for _ in requests]
         greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
         if greedy:
-            self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], out.base_logits[greedy], out.conf_h[greedy], depth)
+            self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], base_logits[greedy], conf_h[greedy], depth)
         for b, r in enumerate(requests):
             if not r.sampling.greedy:
-                trees[b] = self._sampled_chain(r, out.base_logits[b], out.conf_h[b], depth)
+                trees[b] = self._sampled_chain(r, base_logits[b], conf_h[b], depth)
         return trees
 
     def _step(self, base_logits: torch.Tensor, conf_h: torch.Tensor, rows: torch.Tensor, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Markov step at depth k (0-based) for n parents: rows [n] index the batch, prev [n]
-        are the parents' tokens -> logits [n, V], calibrated confidences [n]. One call per
+        are the parents' tokens -> logits [n, Vd], calibrated confidences [n]. One call per
         depth for the whole batch: W2 is read once (the step is memory-bound)."""
         feat = self.model.markov_features(prev)
-        logits = base_logits[rows, k] + self.model.markov_bias(feat)
+        logits = base_logits[rows, k] + self.vocab.markov_bias(feat)
         z = self.model.conf_logit(conf_h[rows, k], feat)
         return logits, torch.sigmoid(z / float(self.temperatures[k]))
 
@@ -129,10 +137,10 @@ class DSparkDrafter(DrafterBase):
         row = torch.zeros(1, dtype=torch.long, device=self.device)
         for k in range(depth):
             logits, c = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device))
-            q = probs_from_logits(logits[0], request.sampling).cpu()
+            q = probs_from_logits(logits[0], request.sampling).cpu()  # [Vd]
             gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
-            tok = int(torch.multinomial(q, 1, generator=gen))
-            parent = tree.add(tok, parent, float(c[0]), q)
+            tok = self.vocab.token(int(torch.multinomial(q, 1, generator=gen)))
+            parent = tree.add(tok, parent, float(c[0]), self.vocab.to_full(q))
             prev = tok
             if self.options.stop_at_eos and tok in self.eos:
                 break
@@ -153,7 +161,8 @@ class DSparkDrafter(DrafterBase):
             logits, conf = self._step(base_logits, conf_h, rows, k, prev)
             logp = torch.log_softmax(logits, dim=-1)
             top_lp, top_i = torch.topk(logp, width, dim=-1)
-            top_p, top_i, conf = top_lp.exp().tolist(), top_i.tolist(), conf.tolist()
+            top_p, conf = top_lp.exp().tolist(), conf.tolist()
+            top_i = [[self.vocab.token(i) for i in row] for row in top_i.tolist()]
             nxt = []
             for (b, parent, _, left), tp, ti, c in zip(frontier, top_p, top_i, conf):
                 tree = trees[b]

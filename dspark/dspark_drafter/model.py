@@ -278,10 +278,10 @@ class DSparkModel(nn.Module):
         mask = self.mask_embed[None, None, :].expand(b, g - 1, -1)
         return torch.cat([emb[:, None, :], mask], dim=1)
 
-    def forward_block(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> BlockOutput:
+    def backbone(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, N, d] projected context (right-aligned, oldest first), ctx_valid [B, N],
-        anchor [B] -> BlockOutput for block positions 1..G (logits only for the first `depth`:
-        the LM head is most of the drafter's cost)."""
+        anchor [B] -> final-normed states h [B, G', d] and conf_h [B, G'] for block positions
+        1..G' (G' = depth or G): everything but the vocabulary-sized heads."""
         g, n = self.cfg.gamma, ctx.shape[1]
         x = self.block_inputs(anchor)
         # Positions: context 0..N-1, anchor N, masks N+1..; RoPE is relative so the absolute
@@ -293,13 +293,19 @@ class DSparkModel(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, mask, rope)
         h = self.final_norm(x)[:, : depth or g]  # [B, G', d]
+        d = self.cfg.hidden_size
+        conf_h = (h @ self.conf_head.weight[0, :d].to(h.dtype)).float() + self.conf_head.bias.float()  # [B, G']
+        return h, conf_h
+
+    def forward_block(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> BlockOutput:
+        """`backbone` plus base logits over the whole vocabulary (logits only for the first
+        `depth` positions: the LM head is most of the drafter's cost)."""
+        h, conf_h = self.backbone(ctx, ctx_valid, anchor, depth)
         h_head = h.to(self.lm_head_weight.dtype)
         if self.packed_head is not None and not torch.is_grad_enabled():
             base_logits = self.packed_head(h_head).float()  # [B, G', V]
         else:
             base_logits = lm_head_logits(h_head, self.lm_head_weight).float()
-        d = self.cfg.hidden_size
-        conf_h = (h @ self.conf_head.weight[0, :d].to(h.dtype)).float() + self.conf_head.bias.float()  # [B, G]
         return BlockOutput(h, base_logits, conf_h)
 
     # ---- Markov and confidence heads

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,6 +51,14 @@ class HiddenRecorder(DrafterBase):
         if chunks:
             self.records[request.request_id] = (torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]))
         request.state.clear()
+
+
+def answer_tokens(path: str | Path) -> Iterator[list[int]]:
+    """The target's answer token ids from an answers.jsonl, streamed one line at a time."""
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)["output_ids"]
 
 
 def done_ids(out_dir: Path) -> tuple[set[str], int]:

@@ -175,9 +175,11 @@ def evaluate(
     batch_size: int = 64,
     autocast: bool = False,
     markov: bool = True,
+    draft_vocab: torch.Tensor | None = None,
 ) -> EvalResult:
     """Offline greedy evaluation on full blocks with deterministic anchors (every `stride`):
-    the drafter's free-running chain against the target's argmax from the cache."""
+    the drafter's free-running chain against the target's argmax from the cache. With
+    `draft_vocab` (token ids) the drafter may only propose those tokens, as at run time."""
     g, n = model.cfg.gamma, model.cfg.context_len
     items = [(r, a) for r in rows for a in anchors_for(reader.rows[r], g, stride, 0, full_blocks=True)]
     if max_blocks is not None and len(items) > max_blocks:
@@ -187,12 +189,17 @@ def evaluate(
     was_training = model.training
     model.eval()
     acc, conf, l1s, doms = [], [], [], []
+    forbid = 0.0
+    if draft_vocab is not None:
+        forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
+        forbid[draft_vocab] = 0.0
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         batch = load_batch(pool, chunk, g, n)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ctx = model.project_context(batch.ctx_feats)
             out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
+        out.base_logits = out.base_logits + forbid  # [B, G, V]; -inf outside the draft vocabulary
         tl = target_logits(model, batch.final)
         drafted, c = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0], markov)
         acc.append((drafted == tl.argmax(-1)).numpy())

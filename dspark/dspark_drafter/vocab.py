@@ -1,0 +1,108 @@
+"""Reduced draft vocabulary (FR-Spec): the drafter scores only frequent tokens.
+
+On CPU a draft round's cost is mostly reading vocabulary-sized matrices: the shared LM head
+(V x d) for the block, and the Markov head's W2 (V x r) once per depth. Restricting the
+candidates to the N tokens the target emits most often cuts both by V/N. Verification
+still checks every drafted token against the full target distribution, so outputs do not
+change (greedy or sampled); only acceptance can drop, when the right token is outside the
+set.
+
+Inside `DraftVocab`, logits have Vd columns and column i means token `token_ids[i]`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dspark.cpu_matmul import PackedLinear, build_kernels, packing_available
+from dspark.dspark_drafter.model import DSparkModel, lm_head_logits
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The `size` most frequent ids in `sequences` (ties: lower id first) plus `always`
+    (e.g. EOS), sorted ascending -> int64 [<= size + len(always)]."""
+    if size < 1:
+        raise ValueError("draft vocabulary size must be >= 1")
+    counts = Counter(t for seq in sequences for t in seq)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
+    ids = {t for t, _ in ranked} | {int(t) for t in always}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor) -> Path:
+    path = Path(folder) / VOCAB_FILE
+    tmp = path.with_suffix(".tmp")
+    save_file({"token_ids": token_ids.to(torch.long).contiguous()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+    return path
+
+
+def read_draft_vocab(folder: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The checkpoint's reduced vocabulary, or None when it has none (draft from all V)."""
+    path = Path(folder) / VOCAB_FILE
+    if not path.is_file():
+        return None
+    ids = load_file(str(path))["token_ids"].to(torch.long)
+    if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{path}: token ids must be a non-empty 1-D list inside the vocabulary (size {vocab_size})")
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{path}: token ids must be sorted and unique")
+    return ids
+
+
+class DraftVocab:
+    """The tokens a drafter may propose and the head rows that score them (inference only).
+
+    `token_ids=None` keeps the whole vocabulary (column i is token i)."""
+
+    def __init__(self, model: DSparkModel, token_ids: torch.Tensor | None = None) -> None:
+        device = model.lm_head_weight.device
+        self.token_ids = None if token_ids is None else token_ids.to(device=device, dtype=torch.long)
+        self.vocab_size = model.cfg.vocab_size
+        self.size = self.vocab_size if token_ids is None else len(self.token_ids)
+        self._ids_list = None if token_ids is None else self.token_ids.tolist()
+        self._head = self._make_head(model)
+        w2 = model.markov_w2.detach() if model.markov else None
+        self._w2 = None if w2 is None else (w2 if self.token_ids is None else w2[self.token_ids].contiguous()).float()  # [Vd, r]
+
+    def _make_head(self, model: DSparkModel) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight = model.lm_head_weight
+        if self.token_ids is None:
+            return model.packed_head or (lambda h: lm_head_logits(h, weight))
+        rows = weight[self.token_ids].contiguous()  # [Vd, d]
+        if not packing_available(rows.device, rows.dtype):
+            return lambda h: lm_head_logits(h, rows)
+        linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        linear.weight = nn.Parameter(rows, requires_grad=False)
+        packed = PackedLinear(linear)
+        build_kernels([packed])
+        return packed.forward
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> base logits [..., Vd] float32."""
+        return self._head(h).float()
+
+    def markov_bias(self, feat: torch.Tensor | None) -> torch.Tensor | float:
+        """W1[prev] [..., r] -> B [..., Vd] float32 (0 without a Markov head)."""
+        if feat is None or self._w2 is None:
+            return 0.0
+        return feat.float() @ self._w2.T
+
+    def token(self, column: int) -> int:
+        return column if self._ids_list is None else self._ids_list[column]
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [Vd] -> [V], zero outside the draft vocabulary (the q of rejection sampling)."""
+        if self.token_ids is None:
+            return probs
+        full = probs.new_zeros(self.vocab_size)
+        full[self.token_ids.to(probs.device)] = probs
+        return full
