@@ -411,9 +411,7 @@ def test_reduced_vocab_drafts_the_masked_chain(target):
     (tree,) = drafter.propose([req], 5)
     tree.validate(96)
     assert set(tree.tokens) <= set(subset.tolist())
-    ctx, valid = req.state["ctx"][None], torch.ones(1, drafter.cfg.context_len, dtype=torch.bool)
-    ctx = torch.cat([torch.zeros(1, drafter.cfg.context_len - ctx.shape[1], ctx.shape[2]), ctx], 1)
-    valid[0, : drafter.cfg.context_len - 4] = False
+    ctx, valid = drafter._batch_context([req])
     assert tree.tokens == masked_greedy_chain(model, ctx, valid, torch.tensor([7]), subset, 5)
     # the whole vocabulary as the "subset" drafts exactly what the full drafter drafts
     everything = DSparkDrafter(model, eos_token_ids=[], draft_vocab=torch.arange(96))

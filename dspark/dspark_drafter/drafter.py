@@ -139,7 +139,7 @@ class DSparkDrafter(DrafterBase):
             logits, c = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device))
             q = probs_from_logits(logits[0], request.sampling).cpu()  # [Vd]
             gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
-            tok = self.vocab.token(int(torch.multinomial(q, 1, generator=gen)))
+            tok = int(self.vocab.tokens(torch.multinomial(q, 1, generator=gen)))
             parent = tree.add(tok, parent, float(c[0]), self.vocab.to_full(q))
             prev = tok
             if self.options.stop_at_eos and tok in self.eos:
@@ -161,8 +161,7 @@ class DSparkDrafter(DrafterBase):
             logits, conf = self._step(base_logits, conf_h, rows, k, prev)
             logp = torch.log_softmax(logits, dim=-1)
             top_lp, top_i = torch.topk(logp, width, dim=-1)
-            top_p, conf = top_lp.exp().tolist(), conf.tolist()
-            top_i = [[self.vocab.token(i) for i in row] for row in top_i.tolist()]
+            top_p, top_i, conf = top_lp.exp().tolist(), self.vocab.tokens(top_i).tolist(), conf.tolist()
             nxt = []
             for (b, parent, _, left), tp, ti, c in zip(frontier, top_p, top_i, conf):
                 tree = trees[b]

@@ -301,12 +301,15 @@ class DSparkModel(nn.Module):
         """`backbone` plus base logits over the whole vocabulary (logits only for the first
         `depth` positions: the LM head is most of the drafter's cost)."""
         h, conf_h = self.backbone(ctx, ctx_valid, anchor, depth)
-        h_head = h.to(self.lm_head_weight.dtype)
+        return BlockOutput(h, self.head_logits(h), conf_h)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> base logits [..., V] float32 through the shared LM head (the target's
+        packed copy at inference when it has one)."""
+        h = h.to(self.lm_head_weight.dtype)
         if self.packed_head is not None and not torch.is_grad_enabled():
-            base_logits = self.packed_head(h_head).float()  # [B, G', V]
-        else:
-            base_logits = lm_head_logits(h_head, self.lm_head_weight).float()
-        return BlockOutput(h, base_logits, conf_h)
+            return self.packed_head(h).float()
+        return lm_head_logits(h, self.lm_head_weight).float()
 
     # ---- Markov and confidence heads
 

@@ -68,16 +68,15 @@ class DraftVocab:
         self.token_ids = None if token_ids is None else token_ids.to(device=device, dtype=torch.long)
         self.vocab_size = model.cfg.vocab_size
         self.size = self.vocab_size if token_ids is None else len(self.token_ids)
-        self._ids_list = None if token_ids is None else self.token_ids.tolist()
+        self._dtype = model.lm_head_weight.dtype
         self._head = self._make_head(model)
         w2 = model.markov_w2.detach() if model.markov else None
         self._w2 = None if w2 is None else (w2 if self.token_ids is None else w2[self.token_ids].contiguous()).float()  # [Vd, r]
 
     def _make_head(self, model: DSparkModel) -> Callable[[torch.Tensor], torch.Tensor]:
-        weight = model.lm_head_weight
         if self.token_ids is None:
-            return model.packed_head or (lambda h: lm_head_logits(h, weight))
-        rows = weight[self.token_ids].contiguous()  # [Vd, d]
+            return model.head_logits
+        rows = model.lm_head_weight[self.token_ids].contiguous()  # [Vd, d]
         if not packing_available(rows.device, rows.dtype):
             return lambda h: lm_head_logits(h, rows)
         linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
@@ -88,7 +87,7 @@ class DraftVocab:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> base logits [..., Vd] float32."""
-        return self._head(h).float()
+        return self._head(h.to(self._dtype)).float()
 
     def markov_bias(self, feat: torch.Tensor | None) -> torch.Tensor | float:
         """W1[prev] [..., r] -> B [..., Vd] float32 (0 without a Markov head)."""
@@ -96,8 +95,9 @@ class DraftVocab:
             return 0.0
         return feat.float() @ self._w2.T
 
-    def token(self, column: int) -> int:
-        return column if self._ids_list is None else self._ids_list[column]
+    def tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column indices [...] -> the token ids they stand for [...]."""
+        return columns if self.token_ids is None else self.token_ids[columns.to(self.token_ids.device)]
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [Vd] -> [V], zero outside the draft vocabulary (the q of rejection sampling)."""

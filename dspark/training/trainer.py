@@ -189,7 +189,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     acc, conf, l1s, doms = [], [], [], []
-    forbid = 0.0
+    forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
     if draft_vocab is not None:
         forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
         forbid[draft_vocab] = 0.0
@@ -199,7 +199,8 @@ def evaluate(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ctx = model.project_context(batch.ctx_feats)
             out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
-        out.base_logits = out.base_logits + forbid  # [B, G, V]; -inf outside the draft vocabulary
+        if forbid is not None:
+            out.base_logits = out.base_logits + forbid  # [B, G, V]
         tl = target_logits(model, batch.final)
         drafted, c = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0], markov)
         acc.append((drafted == tl.argmax(-1)).numpy())
