@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.cpu_matmul import is_packed
+from dspark.cpu_matmul import MKL_MAX_ROWS, is_packed
 from dspark.models import TargetModel, cache_root
 
 LOG = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _profile_key(target: TargetModel, context: int) -> str:
     blob = (
         f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
         f"{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
-        f"packed={is_packed(target.model)}|{getattr(cfg, '_attn_implementation', None)}"
+        f"packed={is_packed(target.model)}:{MKL_MAX_ROWS}|{getattr(cfg, '_attn_implementation', None)}"
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

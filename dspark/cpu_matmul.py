@@ -1,19 +1,28 @@
 """Prepacked oneDNN weights for the multi-token forwards that speculative decoding runs on CPU.
 
 Verifying a draft multiplies every weight matrix by a few rows at once (one per draft token,
-times the batch). PyTorch sends `linear` to MKL's sgemm, which on some CPUs is slow for a
-handful of rows: on the 2-core AMD EPYC (AVX2) we develop on, a 30-layer SmolLM2 forward's
-matmuls took 56 ms for 1 token, 90 ms for 2 and 174 ms for 8 (1 thread, weights streamed from
-memory). oneDNN with the weights reordered once into its blocked layout took 71, 75 and
-122 ms: slower for one row, much faster for several. `PackedLinear` keeps both: the plain
-weight for one-row calls (autoregressive decoding keeps MKL's speed) and a packed copy for
-the rest. The cost is a second copy of each packed weight in memory.
+times the batch). PyTorch sends `linear` to MKL's sgemm, which on some CPUs is slow for more
+than a handful of rows. On the 2-core AMD EPYC (AVX2) we develop on, the matmuls of a
+SmolLM2-135M forward (30 layers and the LM head, weights streamed from memory) took, in ms:
+
+    rows                      1     2     3     4     8    16
+    MKL, 2 threads         20.8  21.6  23.3  34.6  42.5  49.3
+    oneDNN packed, 2 thr.  25.6  27.1  27.7  26.8  32.6  41.3
+    MKL, 1 thread          39.7  39.8  43.5  66.3  91.7  96.6
+    oneDNN packed, 1 thr.  47.1  49.2  47.5  47.2  55.3  69.4
+
+MKL's small-row kernels stay at the cost of reading the weights up to 3 rows, then fall off a
+cliff; oneDNN with the weights reordered once into its blocked layout is flat from 1 to 8 rows
+but pays ~20% more at the bottom. `PackedLinear` keeps both: the plain weight for calls of
+up to `MKL_MAX_ROWS` rows (autoregressive decoding, and verify rounds of one or two draft
+tokens at batch size 1, keep MKL's speed) and a packed copy for the rest. The cost is a
+second copy of each packed weight in memory.
 
 Only the kernel changes, not the arithmetic asked for: results agree with `F.linear` to
 float rounding, the same way MKL's own results depend on the row count.
 
 oneDNN builds (and caches) a kernel per weight shape and row count, about 0.5 MB and 1 ms
-each. Row counts are therefore padded up to 16 buckets, calls with more rows than a verify
+each. Row counts are therefore padded up to 17 buckets, calls with more rows than a verify
 round needs (long prefills) stay on MKL, and packing builds every bucket's kernel up front:
 a long-running job's memory stays flat instead of growing with each new row count.
 """
@@ -29,14 +38,17 @@ LOG = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; 8-16 is the width of a typical verify round.
 PACK_ROWS_HINT = 16
+# Up to this many rows MKL's kernels beat the packed ones (table above; both thread counts).
+MKL_MAX_ROWS = 3
 # Above this many rows (prefill) MKL is as fast, and every new row count would cost a kernel.
 PACKED_MAX_ROWS = 128
 
 
 def padded_rows(rows: int) -> int:
-    """The bucket a call's row count is padded to: exact up to 4, then multiples of 4 up to
-    32, then of 16 (at most 16 buckets up to PACKED_MAX_ROWS)."""
-    if rows <= 4:
+    """The bucket a call's row count is padded to: exact up to 8 (each row costs ~1.5 ms there
+    for SmolLM2-135M, so padding 5 rows to 8 would waste ~5 ms a round), then multiples of 4
+    up to 32, then of 16: 17 buckets from MKL_MAX_ROWS + 1 to PACKED_MAX_ROWS."""
+    if rows <= 8:
         return rows
     step = 4 if rows <= 32 else 16
     return -(-rows // step) * step
@@ -70,7 +82,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not 1 < rows <= PACKED_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if not MKL_MAX_ROWS < rows <= PACKED_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
         pad = padded_rows(rows) - rows
@@ -110,7 +122,7 @@ def pack_linear_layers(model: nn.Module, rows_hint: int = PACK_ROWS_HINT) -> int
 
 def row_buckets() -> list[int]:
     """Every padded row count a packed call can use."""
-    return sorted({padded_rows(r) for r in range(2, PACKED_MAX_ROWS + 1)})
+    return sorted({padded_rows(r) for r in range(MKL_MAX_ROWS + 1, PACKED_MAX_ROWS + 1)})
 
 
 @torch.no_grad()

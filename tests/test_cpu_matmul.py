@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.cpu_matmul import PackedLinear, is_packed, pack_linear_layers, packing_available
+from dspark.cpu_matmul import MKL_MAX_ROWS, PackedLinear, is_packed, pack_linear_layers, packing_available
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator
 from dspark.models import load_model, wrap_model
@@ -30,7 +30,7 @@ def test_packed_linear_matches_linear(bias, shape):
     got = packed(x)
     assert got.shape == expected.shape == (*shape[:-1], 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if x.numel() == 48:  # one row keeps the plain kernel, bit for bit
+    if x.numel() // 48 <= MKL_MAX_ROWS:  # a few rows keep the plain kernel, bit for bit
         assert torch.equal(got, expected)
 
 

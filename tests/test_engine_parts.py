@@ -254,10 +254,10 @@ def test_ngram_confidence_learns_the_acceptance_rate_and_unseen_depths_inherit_i
 def test_drafter_specs_name_their_settings(tiny_llama):
     from dspark.drafters import NgramDrafter, make_drafter
 
-    default, longer, unigram = (make_drafter(s, tiny_llama) for s in ("ngram", "ngram:6", "ngram:4:1"))
-    assert isinstance(default, NgramDrafter) and (default.max_ngram, default.min_ngram) == (4, 2)
-    assert (longer.max_ngram, longer.min_ngram) == (6, 2)
-    assert (unigram.max_ngram, unigram.min_ngram) == (4, 1)
+    default, longer, bigram = (make_drafter(s, tiny_llama) for s in ("ngram", "ngram:6", "ngram:4:2"))
+    assert isinstance(default, NgramDrafter) and (default.max_ngram, default.min_ngram) == (4, 1)
+    assert (longer.max_ngram, longer.min_ngram) == (6, 1)
+    assert (bigram.max_ngram, bigram.min_ngram) == (4, 2)
     with pytest.raises(ValueError, match="unknown drafter"):
         make_drafter("ngrams", tiny_llama)
     with pytest.raises(ValueError, match="min_ngram"):

@@ -1,7 +1,9 @@
 """Model-free drafting by n-gram lookup in the request's own prompt and output.
 
-The last n tokens (n = max_ngram down to min_ngram) are looked up among earlier positions;
-what followed them there is proposed. Several matches with different continuations become
+The last n tokens (n = max_ngram down to min_ngram, default 4 down to 1) are looked up among
+earlier positions; what followed them there is proposed. Single-token matches draft often and
+are right less often; their acceptance is tracked separately (per match length), so the
+scheduler verifies them only when they pay. Several matches with different continuations become
 a token tree (up to `num_candidates` paths), siblings ordered by how often they followed.
 
 Confidence of a node = (share of matches that continue through it, among those through its
@@ -26,7 +28,7 @@ class NgramDrafter(DrafterBase):
     def __init__(
         self,
         max_ngram: int = 4,
-        min_ngram: int = 2,
+        min_ngram: int = 1,
         num_candidates: int = 3,
         max_matches: int = 16,
         prior: tuple[float, float] = (1.0, 1.0),
