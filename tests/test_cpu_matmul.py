@@ -10,8 +10,9 @@ from dspark.cpu_matmul import MKL_MAX_ROWS, PackedLinear, is_packed, pack_linear
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator
 from dspark.models import load_model, wrap_model
+from dspark.schedulers import DSparkScheduler
 from tests.conftest import tiny_model
-from tests.test_lossless_greedy import hf_greedy, ragged_prompts
+from tests.test_lossless_greedy import CHEAP_VERIFY, hf_greedy, ragged_prompts
 
 pytestmark = pytest.mark.skipif(
     not packing_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear"
@@ -54,16 +55,18 @@ def test_packing_keeps_parameters_and_tied_head():
     assert pack_linear_layers(model) == 0  # already packed: nothing left to swap
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_packed_target_speculates_losslessly(batch_size, smol_tokenizer):
+@pytest.mark.parametrize("scheduler", ["fixed:4", "dspark"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_packed_target_speculates_losslessly(batch_size, scheduler, smol_tokenizer):
     """The engine on a packed target equals transformers' greedy on the unpacked twin."""
     plain = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0), smol_tokenizer, "plain")
     packed_model = tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0)
     pack_linear_layers(packed_model)
     packed = wrap_model(packed_model, smol_tokenizer, "packed")
-    prompts = ragged_prompts(6, seed=5)
+    prompts = ragged_prompts(10, seed=5)
     expected = [hf_greedy(plain, p, 20) for p in prompts]
-    results = DSparkGenerator(packed, NgramDrafter(), "fixed:4", max_batch_size=batch_size).generate(prompts, max_new_tokens=20)
+    policy = DSparkScheduler(cost=CHEAP_VERIFY) if scheduler == "dspark" else scheduler
+    results = DSparkGenerator(packed, NgramDrafter(), policy, max_batch_size=batch_size).generate(prompts, max_new_tokens=20)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.verified for r in results) > 0
 
