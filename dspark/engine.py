@@ -98,9 +98,14 @@ class SpeculativeEngine:
 
     # --- admission -------------------------------------------------------------------------
     def _admit(self, new: list[Request], active: list[tuple[Request, DraftRequest]]) -> None:
+        """Prefill the new rows' whole prompts into the batch and emit each row's first token
+        from the prefill's last logits (as plain decoding does: no extra forward for it)."""
         now = time.perf_counter()
-        fresh, hidden = self.runner.prefill([r.prompt_ids[:-1] for r in new])
+        fresh, hidden, logits = self.runner.prefill_with_logits([r.prompt_ids for r in new])
         self.runner.cache.append_rows(fresh)
+        logits = logits[:, : self.vocab]
+        argmax = logits.argmax(-1).tolist()
+        t_first = time.perf_counter()
         for b, req in enumerate(new):
             req.t_admit = now
             gen = None
@@ -110,12 +115,16 @@ class SpeculativeEngine:
                     gen.manual_seed(req.seed)
                 else:
                     gen.seed()  # no seed asked for: a fresh random one
-            dreq = DraftRequest(req.index, list(req.prompt_ids), req.sampling, state={"generator": gen})
+                first = int(torch.multinomial(probs_from_logits(logits[b], req.sampling).cpu(), 1, generator=gen))
+            else:
+                first = argmax[b]
+            # the drafter sees hidden states for every token but the last (the next anchor)
+            dreq = DraftRequest(req.index, list(req.prompt_ids) + [first], req.sampling, state={"generator": gen})
             prompt_hidden = None
             if hidden is not None:
-                n = len(req.prompt_ids) - 1
-                prompt_hidden = [h[b, :n] for h in hidden]
+                prompt_hidden = [h[b, : len(req.prompt_ids)] for h in hidden]
             self.drafter.start(dreq, prompt_hidden)
+            self._emit(req, [first], t_first)
             active.append((req, dreq))
 
     def _retire(self, active: list[tuple[Request, DraftRequest]]) -> list[tuple[Request, DraftRequest]]:
@@ -261,8 +270,10 @@ class SpeculativeEngine:
                 room = self.max_batch_size - len(active)
                 if queue and room > 0:
                     self._admit([queue.popleft() for _ in range(min(room, len(queue)))], active)
-                self._round(active)
-                self._enforce_time_limits(active)
+                if all(req.finish_reason is None for req, _ in active):
+                    self._round(active)
+                    self._enforce_time_limits(active)
+                # else: a row finished on its first token; retire it before the next round
                 finished = [r for r, _ in active if r.finish_reason is not None]
                 active = self._retire(active)
                 if on_finish is not None:

@@ -40,14 +40,15 @@ class ModelRunner:
         self,
         blocks: list[tuple[list[int], list[int]]],
         cache: SlotCache | None = None,
-        logits_positions: str = "all",
+        logits_positions: str | torch.Tensor = "all",
     ) -> BlockOutput:
         """Append one block per row and run the model.
 
         blocks[b] = (tokens, parents): tokens[0] sits after the row's committed tokens;
         parents[i] is the block index of token i's parent (-1 for the first token), so a
         chain is parents = [-1, 0, 1, ...]. Shorter rows are padded; pads see only themselves.
-        logits_positions: "all" or "none" (prefill needs no logits).
+        logits_positions: "all", "none" (a prefill that needs no logits), or a 1-D tensor of
+        block positions: logits [B, len(positions), V] at those positions of every row.
         """
         cache = cache if cache is not None else self.cache
         b = len(blocks)
@@ -79,20 +80,43 @@ class ModelRunner:
             use_cache=True,
             output_hidden_states=want_hidden,
         )
-        if logits_positions == "none":
+        if isinstance(logits_positions, torch.Tensor):
+            kwargs["logits_to_keep"] = logits_positions.to(self.device)
+        elif logits_positions == "none":
             kwargs["logits_to_keep"] = 1
         out = self.model(**kwargs)
         hidden = [out.hidden_states[i] for i in self.hidden_layers] if want_hidden else None
         return BlockOutput(out.logits, hidden)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[SlotCache, list[torch.Tensor] | None]:
-        """Fill a fresh cache with each prompt; returns it (to merge) and the requested
-        hidden states [B, P, d] per layer (rows right-padded)."""
+        """Fill a fresh cache with each prompt; returns it (to merge) and the requested hidden
+        states [B, P, d] per layer (rows right-padded)."""
+        cache, hidden, _ = self._prefill(prompts, last_logits=False)
+        return cache, hidden
+
+    def prefill_with_logits(self, prompts: list[list[int]]) -> tuple[SlotCache, list[torch.Tensor] | None, torch.Tensor]:
+        """`prefill`, plus the logits at each prompt's last token [B, V]: the distribution of
+        the first generated token, so decoding needs no extra forward for it."""
+        cache, hidden, logits = self._prefill(prompts, last_logits=True)
+        assert logits is not None
+        return cache, hidden, logits
+
+    def _prefill(self, prompts: list[list[int]], last_logits: bool):
         cache = self.new_cache()
         cache.reset_rows(len(prompts))
         if max(len(p) for p in prompts) == 0:
-            return cache, None
+            if last_logits:
+                raise ValueError("a prompt needs at least one token to give the next token's logits")
+            return cache, None, None
         blocks = [(p, list(range(-1, len(p) - 1))) for p in prompts]
-        out = self.forward_block(blocks, cache=cache, logits_positions="none")
+        ends = sorted({len(p) - 1 for p in prompts})
+        # the LM head only where some row ends (at most one position per row), or nowhere
+        positions: str | torch.Tensor = torch.tensor(ends) if last_logits else "none"
+        out = self.forward_block(blocks, cache=cache, logits_positions=positions)
         cache.commit([list(range(len(p))) for p in prompts])
-        return cache, out.hidden
+        logits = None
+        if last_logits:
+            rows = torch.arange(len(prompts), device=out.logits.device)
+            column = torch.tensor([ends.index(len(p) - 1) for p in prompts], device=out.logits.device)
+            logits = out.logits[rows, column]
+        return cache, out.hidden, logits
