@@ -6,7 +6,9 @@ Each round:
   verify    one forward over [anchor, nodes...] per row (ragged, tree attention)
   accept    greedy match or rejection sampling per row; commit the accepted slots
   emit      append accepted tokens + the target's own token; stop on EOS/stop/length
-Finished rows leave the batch and queued requests are prefilled into the free places.
+Finished rows leave the batch and queued requests are prefilled into the free places; a
+prefill also gives each new row its first token (from the prompt's last logits, as plain
+decoding does), so that token costs no round of its own.
 """
 
 from __future__ import annotations
