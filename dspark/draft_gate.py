@@ -52,11 +52,6 @@ class DraftGate:
         """A plain round's normalised time: measured, or the cost table's word (1.0) until then."""
         return 1.0 if self.t_plain is None else self.t_plain
 
-    @property
-    def drafter_is_cheap(self) -> bool:
-        """Whether a drafter call costs under `cheap` of a plain round (measured; False until known)."""
-        return self.t_propose is not None and self.t_propose < self.cheap * self.plain
-
     def expected_speedup(self) -> float | None:
         """Tokens/s of a drafting round over a plain one, from the averages (None: no data)."""
         if self.gain is None or self.t_draft is None:
@@ -83,7 +78,7 @@ class DraftGate:
         self.t_draft = _ewma(self.t_draft, seconds / unit, self.alpha)
         self.t_propose = _ewma(self.t_propose, propose_s / unit, self.alpha)
         speedup = self.expected_speedup()
-        if speedup is not None and speedup < self.min_speedup and not self.drafter_is_cheap:
+        if speedup is not None and speedup < self.min_speedup and self.t_propose >= self.cheap * self.plain:
             self.skip_left = self.next_skip
             self.next_skip = min(2 * self.next_skip, self.max_skip)
         else:

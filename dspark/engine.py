@@ -170,12 +170,6 @@ class SpeculativeEngine:
     def _update_backoff(self, active: list[tuple[Request, DraftRequest]], drafted: list[DraftTree], scheduled: list[DraftTree]) -> None:
         if self.max_draft_backoff <= 0:
             return
-        if self.gate is not None and self.gate.drafter_is_cheap:
-            # backing off saves drafter calls, and a cheap drafter's calls save nothing. At a
-            # large batch, a row's draft often gets no budget because too few rows had one
-            # worth a wider block; backing those rows off then starves the next rounds of
-            # drafts, and drafting collapses for the whole batch.
-            return
         for (req, _), full, kept in zip(active, drafted, scheduled):
             if len(full) == 0:
                 continue  # skipped or nothing to propose: no evidence either way

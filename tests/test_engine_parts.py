@@ -225,38 +225,6 @@ def test_drafting_backs_off_where_the_scheduler_verifies_nothing(tiny_llama, bac
         assert drafter.calls == 8
 
 
-class _SlowHopelessDrafter(_HopelessDrafter):
-    def propose(self, requests, max_depth):
-        import time
-
-        time.sleep(0.005)
-        return super().propose(requests, max_depth)
-
-
-@pytest.mark.parametrize("slow", [False, True])
-def test_a_cheap_drafter_is_not_backed_off_under_the_dspark_scheduler(tiny_llama, slow):
-    """Backing a row off saves drafter calls; when the gate has measured those calls as
-    nearly free (n-gram lookup) there is nothing to save, and at large batches backing off
-    rows whose drafts missed a batch-wide column starves the batch of drafts. A drafter that
-    costs more than a forward is still backed off (and gated)."""
-    from dspark.cost_model import CostTable
-    from dspark.engine import Request, SpeculativeEngine
-    from dspark.schedulers import DSparkScheduler
-
-    # verifying anything costs 10x a plain step: nothing is ever admitted
-    never_verify = CostTable((1, 2, 64), (0.001, 0.010, 0.320))
-    drafter = _SlowHopelessDrafter() if slow else _HopelessDrafter()
-    engine = SpeculativeEngine(tiny_llama, drafter, DSparkScheduler(cost=never_verify), max_batch_size=1)
-    [req] = engine.run([Request(0, [5, 6, 7], max_new_tokens=40)])
-    [plain] = DSparkGenerator(tiny_llama, None, "ar").generate([[5, 6, 7]], max_new_tokens=40)
-    assert req.output_ids == plain.token_ids
-    assert engine.gate.drafter_is_cheap is not slow
-    if slow:
-        assert drafter.calls < 20
-    else:
-        assert drafter.calls == 39  # every round (the prefill gives the first of the 40 tokens)
-
-
 def test_ngram_confidence_learns_the_acceptance_rate_and_unseen_depths_inherit_it():
     """Confidences are calibrated online: after many rounds where the first draft token is
     accepted 1 time in 4, depth 1's confidence is near 0.25, and depths never verified get about
