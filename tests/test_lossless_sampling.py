@@ -177,12 +177,18 @@ def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_k
         drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
     gen = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32)
     n = 3000
-    results = gen.generate([prompt] * n, max_new_tokens=2, temperature=1.0, seed=1234)
+    results = gen.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1234)
     joint = np.zeros((VOCAB, VOCAB))
+    later = np.zeros((VOCAB, VOCAB))  # tokens 2 and 3: both from the first verify round
     for r in results:
         joint[r.token_ids[0], r.token_ids[1]] += 1
+        later[r.token_ids[1], r.token_ids[2]] += 1
     expected = exact_two_token_distribution(target.model, prompt, params)
     assert_follows(joint.sum(1), expected.sum(1), "first token")
     assert_follows(joint.ravel(), expected.ravel(), "token pairs")
+    # the first token comes from the prefill; tokens 2-3 are an accepted draft and the next
+    # token (or a correction) of one round: P(t2, t3) = sum over t1 of P(t1) P(t2, t3 | t1)
+    expected_later = sum(expected.sum(1)[t] * exact_two_token_distribution(target.model, prompt + [t], params) for t in range(VOCAB))
+    assert_follows(later.ravel(), expected_later.ravel(), "tokens 2 and 3")
     stats = [r.stats for r in results]
     assert sum(s.accepted for s in stats) > 0.1 * n, "drafts must be accepted often enough to matter"
