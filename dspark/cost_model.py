@@ -1,8 +1,16 @@
-"""SPS(B): the target's forward steps per second with B tokens in the batch.
+"""What a verify round costs on this device: the `dspark` scheduler's price list.
 
-Profiled once on the actual device at start-up (a warm KV cache, growing token counts) and
-cached per model, device, dtype and torch version, so the `dspark` scheduler prices a
-verification token by what it really costs on this hardware.
+`BatchCostTable` is what the engine profiles at start-up: the forward latency of R rows
+carrying w tokens each (an anchor plus w - 1 draft tokens), every row on top of a realistic
+cached context, measured on the actual device and cached per model, device, dtype, threads
+and torch version. Rows and context matter, not just the token count R x w: 8 rows pay
+attention over 8 caches and the CPU kernels switch at 4 rows. On our 2-core CPU (SmolLM2,
+512-token caches) 8 rows of 2 or 3 tokens cost 1.12 and 1.30 plain rounds, where a table by
+total tokens (one row on a 128-token cache) said 1.20 and 1.39; one row of 3 tokens costs
+1.07 steps, where interpolating between 2 and 4 tokens said 1.17.
+
+`CostTable` is the one-dimensional curve SPS(B) of the paper (latency by tokens in the
+forward), kept for hand-written cost curves; it prices a round of R rows x w tokens as R x w.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -23,15 +32,52 @@ from dspark.models import TargetModel, cache_root
 
 LOG = logging.getLogger(__name__)
 
-# Enough points to see where the forward stops being memory-bound; larger B extrapolates
-# linearly. Profiling must stay cheap on a CPU (a few seconds for a 135M model).
-PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Widths (tokens per row) profiled: dense where verify rounds live (the CPU kernels change at
+# 3 -> 4 rows), wider ones extrapolate linearly from the last two.
+PROFILE_WIDTHS = (1, 2, 3, 4, 5, 6, 8)
+# Cached tokens per row while profiling: about a prompt plus part of its answer.
+PROFILE_CONTEXT = 512
+
+
+class RoundCost(Protocol):
+    """Anything the `dspark` scheduler and the draft gate can price a round with."""
+
+    def round_latency(self, rows: int, width: float) -> float:
+        """Seconds of one target forward over `rows` rows of `width` tokens each."""
+        ...
+
+    def plain_latency(self, rows: int) -> float:
+        """Seconds of a round without drafts (one token per row)."""
+        ...
+
+
+def interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys); flat below xs[0], linear beyond xs[-1] from the
+    last two points (or proportional to x for a single point)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (x - xs[-1])
+    i = bisect_left(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def running_max(values: list[float] | tuple[float, ...]) -> list[float]:
+    out, best = [], 0.0
+    for v in values:
+        best = max(best, v)
+        out.append(best)
+    return out
 
 
 @dataclass(frozen=True)
 class CostTable:
-    """Forward latency (seconds) measured at token counts; linear in between, extrapolated
-    linearly from the last two points above the largest measured count."""
+    """Forward latency (seconds) by tokens in the forward, whatever the rows: the paper's
+    SPS(B) curve. Linear in between, extrapolated linearly above the largest count."""
 
     tokens: tuple[int, ...]
     seconds: tuple[float, ...]
@@ -42,30 +88,76 @@ class CostTable:
         if list(self.tokens) != sorted(set(self.tokens)):
             raise ValueError("cost table tokens must be strictly increasing")
 
-    def latency(self, b: int) -> float:
-        xs, ys = self.tokens, self.seconds
-        if b <= xs[0]:
-            return ys[0]
-        if b >= xs[-1]:
-            if len(xs) == 1:
-                return ys[0] * b / xs[0]
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return ys[-1] + slope * (b - xs[-1])
-        i = bisect_left(xs, b)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+    def latency(self, b: float) -> float:
+        return interpolate(self.tokens, self.seconds, b)
 
-    def sps(self, b: int) -> float:
+    def sps(self, b: float) -> float:
         return 1.0 / self.latency(b)
+
+    def round_latency(self, rows: int, width: float) -> float:
+        return self.latency(rows * width)
+
+    def plain_latency(self, rows: int) -> float:
+        return self.latency(rows)
 
     @staticmethod
     def monotone(tokens: list[int], seconds: list[float]) -> "CostTable":
         """More tokens never cost less: take the running maximum of noisy measurements."""
-        out, best = [], 0.0
-        for s in seconds:
-            best = max(best, s)
-            out.append(best)
-        return CostTable(tuple(tokens), tuple(out))
+        return CostTable(tuple(tokens), tuple(running_max(seconds)))
+
+
+@dataclass(frozen=True)
+class BatchCostTable:
+    """Forward latency (seconds) of R rows x w tokens, measured on a grid of row counts and
+    widths; linear in between along widths, then along rows, and extrapolated linearly from
+    the last two points beyond the largest measured width or row count."""
+
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(widths)]
+    context: int = PROFILE_CONTEXT
+
+    def __post_init__(self) -> None:
+        if not self.rows or not self.widths:
+            raise ValueError("cost table needs at least one row count and one width")
+        for axis in (self.rows, self.widths):
+            if list(axis) != sorted(set(axis)) or axis[0] < 1:
+                raise ValueError("cost table rows and widths must be positive and strictly increasing")
+        if len(self.seconds) != len(self.rows) or any(len(line) != len(self.widths) for line in self.seconds):
+            raise ValueError("cost table seconds must be a rows x widths grid")
+
+    def round_latency(self, rows: int, width: float) -> float:
+        by_rows = tuple(interpolate(self.widths, line, width) for line in self.seconds)
+        return interpolate(self.rows, by_rows, rows)
+
+    def plain_latency(self, rows: int) -> float:
+        return self.round_latency(rows, 1)
+
+    @staticmethod
+    def monotone(rows: list[int], widths: list[int], seconds: list[list[float]], context: int = PROFILE_CONTEXT) -> "BatchCostTable":
+        """More rows or wider rows never cost less: running maxima along both axes."""
+        grid = [running_max(line) for line in seconds]
+        for j in range(len(widths)):
+            column = running_max([line[j] for line in grid])
+            for i, v in enumerate(column):
+                grid[i][j] = v
+        return BatchCostTable(tuple(rows), tuple(widths), tuple(tuple(line) for line in grid), context)
+
+    def describe(self) -> str:
+        """One line per row count: 'R rows: w=1 35.0 ms, w=2 ...' (for logs and reports)."""
+        return "; ".join(
+            f"{r} rows: " + ", ".join(f"w{w} {1000 * s:.1f}" for w, s in zip(self.widths, line)) + " ms"
+            for r, line in zip(self.rows, self.seconds)
+        )
+
+
+def profile_rows(max_rows: int) -> tuple[int, ...]:
+    """Row counts to profile for batches of up to `max_rows`: powers of two up to the first
+    that covers it (so batch sizes 5 to 8 share one table)."""
+    rows = [1]
+    while rows[-1] < max_rows:
+        rows.append(2 * rows[-1])
+    return tuple(rows)
 
 
 def _weights_sample(target: TargetModel) -> str:
@@ -75,12 +167,13 @@ def _weights_sample(target: TargetModel) -> str:
     return ",".join(f"{v:.6g}" for v in p.detach().flatten()[:8].float().tolist())
 
 
-def _profile_key(target: TargetModel, context: int) -> str:
+def _profile_key(target: TargetModel, context: int, rows: tuple[int, ...], widths: tuple[int, ...]) -> str:
     cfg = target.model.config
     blob = (
         f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
         f"{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
-        f"packed={is_packed(target.model)}:{MKL_MAX_ROWS}|{getattr(cfg, '_attn_implementation', None)}"
+        f"packed={is_packed(target.model)}:{MKL_MAX_ROWS}|{getattr(cfg, '_attn_implementation', None)}|"
+        f"rows={rows}|widths={widths}"
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -90,33 +183,43 @@ def _device_name(device: torch.device) -> str:
 
 
 @torch.no_grad()
-def measure_cost_table(
-    target: TargetModel, context: int = 128, token_counts: tuple[int, ...] = PROFILE_TOKENS, reps: int = 5
-) -> CostTable:
-    """Time one forward of B new tokens on top of a `context`-token cache, for each B.
-    Keeps the fastest of `reps` runs: on a shared machine noise only ever adds time."""
+def measure_batch_costs(
+    target: TargetModel,
+    rows: tuple[int, ...] = (1,),
+    widths: tuple[int, ...] = PROFILE_WIDTHS,
+    context: int = PROFILE_CONTEXT,
+    reps: int = 3,
+) -> BatchCostTable:
+    """Time one forward of R rows x w new tokens on top of `context` cached tokens per row,
+    for every (R, w). Keeps the fastest of `reps` runs: on a shared machine noise only ever
+    adds time. One batched prefill serves every R (largest first, then rows are dropped)."""
     from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
 
     runner = ModelRunner(target.model)
     g = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
-    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
-    base, _ = runner.prefill([prompt])
+    rows = tuple(sorted(rows))
+    context = max(1, min(context, target.max_context - max(widths)))
+    runner.cache, _ = runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(rows[-1])])
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    seconds = []
-    for b in token_counts:
-        times = []
-        for _ in range(reps + 1):  # first run warms up kernels for this shape
-            runner.cache = base
-            block = torch.randint(0, vocab, (b,), generator=g).tolist()
-            sync()
-            t0 = time.perf_counter()
-            runner.forward_block([(block, list(range(-1, b - 1)))])
-            sync()
-            times.append(time.perf_counter() - t0)
-            base.commit([[]])  # drop the block again: the cache returns to `context` tokens
-        seconds.append(min(times[1:]))
-    return CostTable.monotone(list(token_counts), seconds)
+    grid: dict[int, list[float]] = {}
+    for r in reversed(rows):
+        runner.cache.select_rows(list(range(r)))
+        line = []
+        for w in widths:
+            times = []
+            for _ in range(reps + 1):  # the first run warms up kernels for this shape
+                blocks = [(torch.randint(0, vocab, (w,), generator=g).tolist(), list(range(-1, w - 1))) for _ in range(r)]
+                sync()
+                t0 = time.perf_counter()
+                runner.forward_block(blocks)
+                sync()
+                times.append(time.perf_counter() - t0)
+                runner.cache.commit([[]] * r)  # drop the block: the cache returns to `context` tokens
+            line.append(min(times[1:]))
+        grid[r] = line
+    runner.cache.select_rows([])
+    return BatchCostTable.monotone(list(rows), list(widths), [grid[r] for r in rows], context)
 
 
 # A cached table whose 1-token latency is this much slower than a fresh timing was measured
@@ -124,29 +227,37 @@ def measure_cost_table(
 STALE_FACTOR = 1.5
 
 
-def load_or_profile(target: TargetModel, context: int = 128, refresh: bool | None = None) -> CostTable:
-    """The cached cost table for this model/device/dtype, profiling it on first use.
+def load_or_profile(
+    target: TargetModel,
+    max_rows: int = 1,
+    context: int = PROFILE_CONTEXT,
+    widths: tuple[int, ...] = PROFILE_WIDTHS,
+    refresh: bool | None = None,
+) -> BatchCostTable:
+    """The cached cost table for this model/device/dtype and batches of up to `max_rows`
+    rows, profiling it on first use.
 
-    A cached table is re-measured when its 1-token latency is over STALE_FACTOR times a
-    fresh timing (it was profiled on a busy machine); DSPARK_REPROFILE=1 forces it."""
+    A cached table is re-measured when its one-row, one-token latency is over STALE_FACTOR
+    times a fresh timing (it was profiled on a busy machine); DSPARK_REPROFILE=1 forces it."""
     if refresh is None:
         refresh = os.environ.get("DSPARK_REPROFILE", "") not in ("", "0")
-    path = Path(cache_root()) / "cost_tables" / f"{_profile_key(target, context)}.json"
+    rows = profile_rows(max_rows)
+    path = Path(cache_root()) / "cost_tables" / f"{_profile_key(target, context, rows, widths)}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
-        cached = CostTable(tuple(data["tokens"]), tuple(data["seconds"]))
-        now = measure_cost_table(target, context, token_counts=(1,), reps=3)
-        if cached.latency(1) <= STALE_FACTOR * now.latency(1):
+        cached = BatchCostTable(tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(line) for line in data["seconds"]), data["context"])
+        now = measure_batch_costs(target, rows=(1,), widths=(1,), context=context)
+        if cached.plain_latency(1) <= STALE_FACTOR * now.plain_latency(1):
             LOG.info("Cost table from %s", path)
             return cached
         LOG.info("Cost table %s is stale (1 token: %.1f ms cached, %.1f ms now): profiling again",
-                 path, 1000 * cached.latency(1), 1000 * now.latency(1))
+                 path, 1000 * cached.plain_latency(1), 1000 * now.plain_latency(1))
     else:
-        LOG.info("Profiling the cost table (%s; first use for this model, device, dtype and thread count)",
-                 "forced" if refresh else path)
+        LOG.info("Profiling the cost table for up to %d rows (%s; first use for this model, device, dtype and thread count)",
+                 rows[-1], "forced" if refresh else path)
     t0 = time.perf_counter()
-    table = measure_cost_table(target, context)
-    LOG.info("Cost table profiled in %.1f s", time.perf_counter() - t0)
+    table = measure_batch_costs(target, rows=rows, widths=widths, context=context)
+    LOG.info("Cost table profiled in %.1f s: %s", time.perf_counter() - t0, table.describe())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -154,9 +265,10 @@ def load_or_profile(target: TargetModel, context: int = 128, refresh: bool | Non
                 "model": target.name,
                 "device": _device_name(target.device),
                 "dtype": str(target.dtype),
-                "context": context,
-                "tokens": list(table.tokens),
-                "seconds": list(table.seconds),
+                "context": table.context,
+                "rows": list(table.rows),
+                "widths": list(table.widths),
+                "seconds": [list(line) for line in table.seconds],
             },
             indent=1,
         )

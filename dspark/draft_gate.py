@@ -88,4 +88,4 @@ class DraftGate:
 def gate_for(scheduler) -> DraftGate | None:
     """A fresh gate for a scheduler that asks for one and prices rounds with a cost table."""
     cost = getattr(scheduler, "cost", None)
-    return DraftGate(cost.latency) if getattr(scheduler, "gates_drafting", False) and cost is not None else None
+    return DraftGate(cost.plain_latency) if getattr(scheduler, "gates_drafting", False) and cost is not None else None

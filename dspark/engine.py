@@ -94,7 +94,7 @@ class SpeculativeEngine:
             cost = getattr(scheduler, "cost", None)
             if cost is None:
                 raise ValueError("the draft gate needs the scheduler's cost table")
-            self.gate = DraftGate(cost.latency)
+            self.gate = DraftGate(cost.plain_latency)
         else:
             self.gate = None
 

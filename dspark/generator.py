@@ -72,7 +72,7 @@ class DSparkGenerator:
             drafter = "none"
         self.drafter = make_drafter(drafter, target) if isinstance(drafter, str) else drafter
         if getattr(self.scheduler, "needs_cost_table", False):
-            self.scheduler.cost = load_or_profile(target)
+            self.scheduler.cost = load_or_profile(target, max_rows=max_batch_size)
             self.scheduler.needs_cost_table = False
         if isinstance(self.scheduler, UtilizationAdaptive) and isinstance(self.scheduler.probe, UtilizationProbe):
             self.scheduler.probe = UtilizationProbe(target.device)

@@ -7,7 +7,7 @@ the highest prefix survival a = c_1 * ... * c_k (always an ancestor-closed sub-t
     fixed:K       K draft tokens per row
     threshold:T   verify while c_k >= T (the static policy; the evaluation plan tries 0.7, 0.9)
     util          the evaluation plan's load rule: x1.5 below 60% utilisation, x0.7 above 80%
-    dspark        the hardware-aware prefix scheduler (paper Algorithm 1) over a profiled SPS(B)
+    dspark        the hardware-aware prefix scheduler (paper Algorithm 1) over profiled round costs
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dspark.cost_model import CostTable
+from dspark.cost_model import RoundCost
 from dspark.hardware import UtilizationProbe
 from dspark.tree import DraftTree
 
@@ -156,12 +156,13 @@ def prefix_schedule(
     return best_lengths
 
 
-def width_schedule(survival: Sequence[Sequence[float]], sps: Callable[[int], float]) -> list[int]:
+def width_schedule(survival: Sequence[Sequence[float]], round_sps: Callable[[int], float]) -> list[int]:
     """Algorithm 1 for a right-padded batch, where cost depends only on the widest row.
 
-    Widening the block from w to w+1 tokens costs R more tokens whoever uses them, and every
-    row's (w+1)-th draft token rides along for free; so candidates are admitted a column at
-    a time: column w adds sum_r a_{r,w}. Same objective tau* x SPS(B), same early stop at the
+    round_sps(w): rounds per second when every row carries w tokens (anchor + w - 1 drafts).
+    Widening the block from w to w+1 tokens costs every row a token whoever uses it, and
+    every row's (w+1)-th draft token rides along for free; so candidates are admitted a column
+    at a time: column w adds sum_r a_{r,w}. Same objective tau* x SPS, same early stop at the
     first column that does not raise it; admission of position j depends only on survivals
     at positions <= j.
     """
@@ -169,11 +170,11 @@ def width_schedule(survival: Sequence[Sequence[float]], sps: Callable[[int], flo
     if rows == 0:
         return []
     tau = float(rows)
-    best, best_width = tau * sps(rows), 0
+    best, best_width = tau * round_sps(1), 0
     depth = max((len(r) for r in survival), default=0)
     for w in range(1, depth + 1):
         tau += sum(row[w - 1] for row in survival if len(row) >= w)
-        theta = tau * sps(rows * (1 + w))
+        theta = tau * round_sps(1 + w)
         if theta > best:
             best, best_width = theta, w
         else:
@@ -183,7 +184,7 @@ def width_schedule(survival: Sequence[Sequence[float]], sps: Callable[[int], flo
 
 @dataclass
 class DSparkScheduler(Scheduler):
-    """Hardware-aware prefix scheduler over the profiled SPS(B).
+    """Hardware-aware prefix scheduler over the profiled round costs (dspark/cost_model.py).
 
     `gate=True` lets the engine skip drafting while it does not pay (dspark/draft_gate.py).
     `packed=False` (the default, matching this engine's right-padded verify forward) prices
@@ -191,7 +192,7 @@ class DSparkScheduler(Scheduler):
     ragged batches, B = sum_r (1 + l_r) (`prefix_schedule`). At batch size 1 they agree.
     """
 
-    cost: CostTable | None = None
+    cost: RoundCost | None = None
     max_depth: int = DEFAULT_MAX_DEPTH
     packed: bool = False
     gate: bool = True
@@ -209,13 +210,14 @@ class DSparkScheduler(Scheduler):
     def budgets(self, trees: Sequence[DraftTree]) -> list[int]:
         if self.cost is None:
             raise RuntimeError("the dspark scheduler needs a cost table (profiled by the engine at start-up)")
+        cost, rows = self.cost, len(trees)
         survival = [sorted(t.survival(), reverse=True) for t in trees]
-        if self.packed:
-            return prefix_schedule(survival, self.cost.sps, packed_tokens)
-        return width_schedule(survival, self.cost.sps)
+        if self.packed:  # B tokens over R rows: priced as R rows of B / R tokens
+            return prefix_schedule(survival, lambda b: 1.0 / cost.round_latency(rows, b / rows), packed_tokens)
+        return width_schedule(survival, lambda w: 1.0 / cost.round_latency(rows, w))
 
 
-def make_scheduler(spec: str | Scheduler, cost: CostTable | None = None) -> Scheduler:
+def make_scheduler(spec: str | Scheduler, cost: RoundCost | None = None) -> Scheduler:
     """Build a scheduler from its name: ar, fixed:K, threshold:T, util, dspark."""
     if isinstance(spec, Scheduler):
         return spec

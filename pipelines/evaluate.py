@@ -327,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(split_method(m, drafter)[0].split(":")[0] == "dspark" for m in all_engine):
         from dspark.cost_model import load_or_profile
 
-        t = load_or_profile(target)
-        cost_table = ", ".join(f"{n}: {1000 * sec:.1f} ms" for n, sec in zip(t.tokens, t.seconds))
+        cost_table = load_or_profile(target, max_rows=max(batch_sizes + load_bs)).describe()
 
     runs, phases, failures = [], [], []
     t0 = time.perf_counter()
@@ -426,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "dtype": str(target.dtype).replace("torch.", ""),
         "drafters": drafter_specs,
-        "cost_table": cost_table,  # target forward time per number of tokens (dspark scheduler)
+        "cost_table": cost_table,  # target forward time per rows x tokens per row (dspark scheduler)
         "scenarios": {sc.name: f"{len(prompts[sc.name])} prompts from {', '.join(Path(f).name for f in sc.prompts)}, "
                       f"{sc.max_new_tokens} new tokens" for sc in scenarios},
         "methods": methods,

@@ -236,7 +236,7 @@ def test_resources_and_soak(report):
 def test_report_markdown_and_plots(report):
     md, res, out = report["md"], report["results"], report["dir"]
     assert "python -m pipelines.evaluate " + " ".join(report["argv"][:4]) in md
-    assert "| cost table (tokens: forward time) | 1: " in md
+    assert "| cost table (rows: forward time by width) | 1 rows: w1 " in md
     for needle in ("| target | model |", "transformers 5", "torch 2", "| dtype | float32 |", f"| drafters | {report['dm']}, ngram |"):
         assert needle in md
     table = parse_md_table(md, "## Results")

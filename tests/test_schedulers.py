@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.cost_model import CostTable
+from dspark.cost_model import BatchCostTable, CostTable
 from dspark.schedulers import (
     FixedLength,
     NoSpeculation,
@@ -69,9 +70,10 @@ def test_admission_of_position_j_never_depends_on_later_tokens(conf, curve, data
     new_tail = data.draw(st.lists(st.floats(0.05, 1.0), min_size=0, max_size=4))
     changed = [list(row) for row in conf]
     changed[r] = conf[r][: j + 1] + new_tail
-    for schedule in (prefix_schedule, width_schedule):
-        before = schedule(survival_rows(conf), sps)
-        after = schedule(survival_rows(changed), sps)
+    by_width = lambda w: sps(len(conf) * w)  # noqa: E731
+    for schedule, price in ((prefix_schedule, sps), (width_schedule, by_width)):
+        before = schedule(survival_rows(conf), price)
+        after = schedule(survival_rows(changed), price)
         assert (before[r] > j) == (after[r] > j), schedule.__name__
 
 
@@ -88,7 +90,7 @@ def test_width_schedule_budget_falls_as_load_rises():
     means a shorter verify budget."""
     table = CostTable((1, 16, 32, 64, 128, 256), (0.02, 0.021, 0.03, 0.05, 0.09, 0.17))
     row = [list(itertools.accumulate([0.8] * 8, lambda a, c: a * c))]
-    budgets = [width_schedule(row * n, table.sps)[0] for n in (1, 4, 16, 32)]
+    budgets = [width_schedule(row * n, lambda w: 1.0 / table.round_latency(n, w))[0] for n in (1, 4, 16, 32)]
     assert budgets == sorted(budgets, reverse=True)
     assert budgets[0] > budgets[-1]
 
@@ -155,17 +157,41 @@ def test_cost_table_profiled_on_a_busy_machine_is_measured_again(tmp_path, monke
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DSPARK_REPROFILE", raising=False)
-    fresh = cost_model.load_or_profile(tiny_llama, context=16)
+    fresh = cost_model.load_or_profile(tiny_llama, max_rows=3, context=16)
+    assert fresh.rows == (1, 2, 4) and fresh.widths == cost_model.PROFILE_WIDTHS
     [path] = (tmp_path / "cost_tables").glob("*.json")
     data = json.loads(path.read_text())
-    data["seconds"] = [s / 1000 for s in data["seconds"]]  # faster than any re-timing: kept
+    data["seconds"] = [[s / 1000 for s in line] for line in data["seconds"]]  # faster than any re-timing: kept
     path.write_text(json.dumps(data))
-    assert cost_model.load_or_profile(tiny_llama, context=16).seconds == tuple(data["seconds"])
-    data["seconds"] = [s * 1e6 for s in data["seconds"]]  # 1000x slower: profiled while swamped
+    kept = cost_model.load_or_profile(tiny_llama, max_rows=3, context=16)
+    assert kept.seconds == tuple(tuple(line) for line in data["seconds"])
+    data["seconds"] = [[s * 1e6 for s in line] for line in data["seconds"]]  # 1000x slower: profiled while swamped
     path.write_text(json.dumps(data))
-    again = cost_model.load_or_profile(tiny_llama, context=16)
-    assert again.latency(1) < 100 * fresh.latency(1)
-    assert json.loads(path.read_text())["seconds"][0] < data["seconds"][0]
+    again = cost_model.load_or_profile(tiny_llama, max_rows=3, context=16)
+    assert again.plain_latency(1) < 100 * fresh.plain_latency(1)
+    assert json.loads(path.read_text())["seconds"][0][0] < data["seconds"][0][0]
+
+
+def test_batch_cost_table_interpolates_along_widths_then_rows_and_is_monotone():
+    t = BatchCostTable.monotone([1, 4], [1, 2, 4], [[0.010, 0.009, 0.014], [0.020, 0.030, 0.050]], context=64)
+    assert t.seconds == ((0.010, 0.010, 0.014), (0.020, 0.030, 0.050))  # noise never makes a width cheaper
+    assert t.plain_latency(1) == 0.010 and t.plain_latency(4) == 0.020
+    assert t.round_latency(1, 3) == pytest.approx(0.012)  # between widths 2 and 4
+    assert t.round_latency(2, 1) == pytest.approx(0.010 + (0.020 - 0.010) / 3)  # between 1 and 4 rows
+    assert t.round_latency(4, 6) == pytest.approx(0.070)  # beyond the widest: linear from the last two
+    assert t.round_latency(8, 1) == pytest.approx(0.020 + 4 * (0.020 - 0.010) / 3)  # beyond the most rows
+    with pytest.raises(ValueError):
+        BatchCostTable((1, 2), (1,), ((0.01,),))
+
+
+def test_profiled_costs_grow_with_rows_and_widths(tiny_llama):
+    from dspark.cost_model import measure_batch_costs, profile_rows
+
+    assert profile_rows(1) == (1,) and profile_rows(8) == (1, 2, 4, 8) and profile_rows(12) == (1, 2, 4, 8, 16)
+    t = measure_batch_costs(tiny_llama, rows=(1, 4), widths=(1, 2, 8), context=32, reps=1)
+    assert t.rows == (1, 4) and t.widths == (1, 2, 8) and t.context == 32
+    assert all(s > 0 for line in t.seconds for s in line)
+    assert t.round_latency(4, 8) >= t.round_latency(1, 8) >= t.plain_latency(1)
 
 
 def test_cost_tables_of_different_models_with_the_same_shapes_are_kept_apart(tiny_llama, smol_tokenizer):
@@ -174,5 +200,6 @@ def test_cost_tables_of_different_models_with_the_same_shapes_are_kept_apart(tin
     from tests.conftest import tiny_model
 
     twin = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=99, sharpen=16.0), smol_tokenizer, tiny_llama.name)
-    assert _profile_key(twin, 128) != _profile_key(tiny_llama, 128)
-    assert _profile_key(tiny_llama, 128) == _profile_key(tiny_llama, 128)
+    key = lambda target: _profile_key(target, 128, (1,), (1, 2))  # noqa: E731
+    assert key(twin) != key(tiny_llama)
+    assert key(tiny_llama) == key(tiny_llama)

@@ -127,7 +127,7 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str | None]]) -> str:
 def header_section(settings: dict) -> str:
     keys = [
         ("date", "date"), ("machine", "machine"), ("device", "device"), ("target", "target"),
-        ("target parameters", "target_parameters"), ("dtype", "dtype"), ("drafters", "drafters"), ("cost table (tokens: forward time)", "cost_table"),
+        ("target parameters", "target_parameters"), ("dtype", "dtype"), ("drafters", "drafters"), ("cost table (rows: forward time by width)", "cost_table"),
         ("scenarios", "scenarios"), ("methods", "methods"), ("batch sizes", "batch_sizes"),
         ("sampling", "sampling"), ("threshold sweep", "thresholds"), ("load sweep", "load_sweep"),
         ("soak", "soak"), ("versions", "versions"), ("elapsed", "elapsed_s"),
