@@ -148,7 +148,7 @@ def warm_up(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     for scheduler in args.schedulers:
-        DSparkGenerator.from_names(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype, max_batch_size=1)
+        DSparkGenerator.from_names(args.target, drafter=args.drafter, scheduler=scheduler, dtype=args.dtype, max_batch_size=args.batch_size)
     LOG.info("Warm-up (imports, model cache, cost table) took %.1f s", time.perf_counter() - started)
 
 
