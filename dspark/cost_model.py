@@ -5,9 +5,9 @@ carrying w tokens each (an anchor plus w - 1 draft tokens), every row on top of 
 cached context, measured on the actual device and cached per model, device, dtype, threads
 and torch version. Rows and context matter, not just the token count R x w: 8 rows pay
 attention over 8 caches and the CPU kernels switch at 4 rows. On our 2-core CPU (SmolLM2,
-512-token caches) 8 rows of 2 or 3 tokens cost 1.12 and 1.30 plain rounds, where a table by
-total tokens (one row on a 128-token cache) said 1.20 and 1.39; one row of 3 tokens costs
-1.07 steps, where interpolating between 2 and 4 tokens said 1.17.
+512-token caches) 8 rows of 2 tokens cost 1.13 plain rounds, where a table by total tokens
+(one row on a 128-token cache) said 1.20; one row of 3 tokens costs 1.00-1.03 steps, where
+interpolating that table between 2 and 4 tokens said 1.17.
 
 `CostTable` is the one-dimensional curve SPS(B) of the paper (latency by tokens in the
 forward), kept for hand-written cost curves; it prices a round of R rows x w tokens as R x w.
@@ -205,19 +205,20 @@ def measure_batch_costs(
     grid: dict[int, list[float]] = {}
     for r in reversed(rows):
         runner.cache.select_rows(list(range(r)))
-        line = []
-        for w in widths:
-            times = []
-            for _ in range(reps + 1):  # the first run warms up kernels for this shape
+        times: dict[int, list[float]] = {w: [] for w in widths}
+        # widths interleaved, so that a burst of load on a shared machine inflates one sample
+        # of several widths rather than every sample of one (the scheduler reads ratios)
+        for rep in range(reps + 1):  # the first pass warms up kernels for each shape
+            for w in widths:
                 blocks = [(torch.randint(0, vocab, (w,), generator=g).tolist(), list(range(-1, w - 1))) for _ in range(r)]
                 sync()
                 t0 = time.perf_counter()
                 runner.forward_block(blocks)
                 sync()
-                times.append(time.perf_counter() - t0)
+                if rep:
+                    times[w].append(time.perf_counter() - t0)
                 runner.cache.commit([[]] * r)  # drop the block: the cache returns to `context` tokens
-            line.append(min(times[1:]))
-        grid[r] = line
+        grid[r] = [min(times[w]) for w in widths]
     runner.cache.select_rows([])
     return BatchCostTable.monotone(list(rows), list(widths), [grid[r] for r in rows], context)
 
