@@ -142,8 +142,11 @@ def _readers(work: Path):
     return out
 
 
-def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | None, progress: bool) -> None:
+def stage_train(
+    cfg: dict, target, work: Path, log: Logger, deadline: float | None, progress: bool, init_from: str | Path | None = None
+) -> None:
     from dspark.dspark_drafter import build_model
+    from dspark.dspark_drafter.checkpoint import warm_start
     from dspark.training.cache import CacheReader
     from dspark.training.trainer import TrainConfig, train
 
@@ -154,6 +157,16 @@ def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | No
     mcfg = model_config(cfg, target)
     tcfg = TrainConfig.from_dict({"seed": int(cfg.get("seed", 0)), **(cfg.get("train") or {})})
     model = build_model(mcfg, target.model)
+    if init_from:
+        if (state_dir(cfg, work) / "counters.json").is_file():
+            log(f"train: resuming the run in {state_dir(cfg, work)}; --init-from {init_from} applies to fresh runs only")
+        else:
+            ck = warm_start(model, init_from, target)
+            before = {k: (ck.extra.get("training") or {}).get(k) for k in ("steps", "wall_s", "cpu_hours", "train_sequences")}
+            # the calibrate stage copies this into the card: the cost of a warm start includes its source's
+            state_dir(cfg, work).mkdir(parents=True, exist_ok=True)
+            (state_dir(cfg, work) / "init_from.json").write_text(json.dumps({"checkpoint": str(init_from), **before}, indent=1))
+            log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")
     n_train = len(rd.rows)
     log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M trainable params")
     # held-out tau and a same-size slice of train rows (to watch over-fitting)
@@ -169,6 +182,12 @@ def stage_train(cfg: dict, target, work: Path, log: Logger, deadline: float | No
         model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline, refresh=refresh
     )
     log(f"train: step {counters['step']}, wall {counters['wall_s']:.0f}s, cpu {counters['cpu_s'] / 3600:.2f} h, peak RSS {counters.get('peak_rss_mb', 0):.0f} MB")
+
+
+def _init_from(cfg: dict, work: Path) -> dict | None:
+    """Where a warm-started run began (see stage_train), or None for a run from scratch."""
+    path = state_dir(cfg, work) / "init_from.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) -> dict:
@@ -208,6 +227,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
             "train_positions": readers["train"].num_positions() if "train" in readers else None,
             "history": counters.get("history", [])[-5:],
             "config": counters.get("config"),
+            "init_from": _init_from(cfg, work),
         },
         "draft_vocab": vocab_info,
     }
@@ -257,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="override train.steps")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--minutes", type=float, help="stop generate/train cleanly after this many minutes (resumable)")
+    ap.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        help="a fresh train run starts from this drafter checkpoint's weights (same architecture and target; "
+        "e.g. the shipped one, to continue it on more data) instead of random ones",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -280,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if "generate" in stages:
         stage_generate(cfg, target, work, log, deadline)
     if "train" in stages:
-        stage_train(cfg, target, work, log, deadline, progress=not args.no_progress)
+        stage_train(cfg, target, work, log, deadline, progress=not args.no_progress, init_from=args.init_from)
     if "calibrate" in stages:
         stage_calibrate(cfg, target, work, output, log)
     return 0

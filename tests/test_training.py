@@ -225,3 +225,41 @@ def test_draft_vocabulary_comes_from_train_answers_and_reports_coverage(tmp_path
     ids, info = draft_vocabulary({"draft_vocab": 2}, target, tmp_path)
     assert ids.tolist() == sorted({5, 6} | set(target.eos_token_ids))
     assert info["eval_answer_coverage"] == pytest.approx(3 / 4)  # 9 is not in the vocabulary
+
+
+def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_path):
+    """`--init-from`: a fresh run starts from a checkpoint's weights (same architecture and
+    target), records where it began for the card, and a resumed run ignores it."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dspark.dspark_drafter.checkpoint import warm_start
+    from pipelines.train_drafter import stage_train
+
+    torch.manual_seed(0)
+    source = build_model(drafter_cfg(target), target.model)
+    rd = CacheReader(cache_dir)
+    train(source, rd, list(range(len(rd.rows))), TrainConfig(steps=4, batch_size=8, warmup=1, eval_every=1000, autocast_bf16=False),
+          tmp_path / "source-state", progress=False, log=lambda m: None)
+    save_checkpoint(tmp_path / "ck", source, Fingerprint.of(target), extra={"training": {"steps": 4, "cpu_hours": 0.01}}, dtype=torch.float32)
+
+    work = tmp_path / "work"
+    shutil.copytree(cache_dir, work / "cache" / "train")
+    model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    assert DSparkConfig.for_target(target.model.config, **model) == drafter_cfg(target)
+    cfg = {"model": model, "train": {"steps": 0, "batch_size": 8, "eval_every": 1000, "autocast_bf16": False}}
+    lines: list[str] = []
+    stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
+    state = load_file(str(work / "runs" / "dspark" / "state.safetensors"))
+    for k, v in source.state_dict().items():
+        torch.testing.assert_close(state[f"model.{k}"], v)  # 0 steps: exactly the checkpoint's weights
+    assert json.loads((work / "runs" / "dspark" / "init_from.json").read_text())["steps"] == 4
+    assert any("starting from the weights" in line for line in lines)
+    lines.clear()
+    stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
+    assert any("applies to fresh runs only" in line for line in lines)
+
+    other = build_model(drafter_cfg(target, markov_rank=8), target.model)
+    with pytest.raises(ValueError, match="markov_rank: 16 there, 8 here"):
+        warm_start(other, tmp_path / "ck", target)

@@ -135,8 +135,28 @@ def load_model_for_target(
     ck = read_checkpoint(path)
     check_fingerprint(ck.target, target, where=str(path), allow_name_mismatch=allow_name_mismatch)
     model = build_model(ck.config, target.model)
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in ck.state.items()}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+    _load_weights(model, ck, str(path))
     model.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
     return model, ck
+
+
+def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in ck.state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+
+
+def warm_start(model: DSparkModel, path: str | Path, target) -> Checkpoint:
+    """Copy a checkpoint's trained weights into `model` (built for training, same architecture,
+    same target) so that training continues from it instead of from random weights: more data
+    or more steps without paying again for the steps already done. Calibration temperatures
+    are not carried over; the calibrate stage fits new ones."""
+    ck = read_checkpoint(path)
+    check_fingerprint(ck.target, target, where=str(path))
+    mine, theirs = model.cfg.to_dict(), ck.config.to_dict()
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+        raise ValueError(f"{path}: cannot warm-start from a different drafter architecture ({detail})")
+    _load_weights(model, ck, str(path))
+    return ck
