@@ -91,9 +91,6 @@ class CostTable:
     def latency(self, b: float) -> float:
         return interpolate(self.tokens, self.seconds, b)
 
-    def sps(self, b: float) -> float:
-        return 1.0 / self.latency(b)
-
     def round_latency(self, rows: int, width: float) -> float:
         return self.latency(rows * width)
 
