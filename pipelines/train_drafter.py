@@ -3,7 +3,8 @@
 Stages (all by default, each resumable; rerun the same command to continue):
   generate   the target answers prompts through the project's engine (greedy) and the target
              cache (injected layers + final hidden state) is recorded on the way, in shards:
-             eval and calib splits first (capped per source), then train
+             eval and calib splits first (capped per source), then train, then the extra
+             sampled answers to the train prompts that `generate.train_samples` asks for
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/state
   calibrate  Sequential Temperature Scaling on the calib split; writes the final checkpoint
              (safetensors + config.json with temperatures and target fingerprint) to `output`,
@@ -109,12 +110,17 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
     mcfg = model_config(cfg, target)
     prompts = load_prompts(pc.get("dir", "/work/shared/data/prompts"), pc.get("files"))
     encode = lambda text: target.encode(text)  # noqa: E731
-    for split in ("eval", "calib", "train"):
+    # greedy answers per split, then the train split's extra sampled passes (`train_samples`)
+    passes = [(split, 0.0, "") for split in ("eval", "calib", "train")]
+    for sample in gc.get("train_samples") or []:
+        passes.append(("train", float(sample["temperature"]), str(sample["tag"])))
+    for split, temperature, tag in passes:
         cap = gc.get(f"{split}_per_source")
         limit = int(pc.get(f"{split}_max_prompt_tokens", pc.get("max_prompt_tokens", 384)))
         plan = plan_generation(prompts, encode, split, limit, cap)
         plan = interleave_sources(plan)
-        log(f"generate {split}: {len(plan)} prompts planned")
+        what = f"sampled pass {tag!r} (temperature {temperature})" if tag else "greedy"
+        log(f"generate {split}, {what}: {len(plan)} prompts planned")
         generate_with_cache(
             target,
             plan,
@@ -126,6 +132,8 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
             shard_size=int(gc.get("shard_size", 64)),
             log=log,
             deadline=deadline,
+            temperature=temperature,
+            tag=tag,
         )
         if deadline is not None and time.time() > deadline:
             return
@@ -178,10 +186,32 @@ def stage_train(
         r = CacheReader(work / "cache" / "train")
         return r, list(range(len(r.rows)))
 
+    vocab = run_vocabulary(cfg, target, work, log) if tcfg.reduced_vocab else None
     counters = train(
-        model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline, refresh=refresh
+        model, rd, list(range(n_train)), tcfg, state_dir(cfg, work), evals, log=log, progress=progress, deadline=deadline, refresh=refresh,
+        draft_vocab=vocab,
     )
     log(f"train: step {counters['step']}, wall {counters['wall_s']:.0f}s, cpu {counters['cpu_s'] / 3600:.2f} h, peak RSS {counters.get('peak_rss_mb', 0):.0f} MB")
+
+
+def run_vocabulary(cfg: dict, target, work: Path, log: Logger):
+    """The reduced draft vocabulary a `train.reduced_vocab` run trains over: chosen from the
+    train answers when the run starts and kept in its state folder, so a resumed run (or a
+    growing cache) does not move it, and the calibrate stage ships the same set."""
+    from dspark.dspark_drafter.vocab import read_draft_vocab, save_draft_vocab
+
+    folder = state_dir(cfg, work)
+    ids = read_draft_vocab(folder, target.vocab_size)
+    if ids is None:
+        ids, info = draft_vocabulary(cfg, target, work)
+        if ids is None:
+            raise SystemExit("train.reduced_vocab needs `draft_vocab: N` in the config")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(folder, ids)
+        log(f"train: over the reduced draft vocabulary {info}")
+    else:
+        log(f"train: over the run's reduced draft vocabulary ({len(ids)} tokens)")
+    return ids
 
 
 def _init_from(cfg: dict, work: Path) -> dict | None:
@@ -207,7 +237,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
         raise SystemExit(f"no training state in {state_dir(cfg, work)}: run the train stage first")
     split = "calib" if "calib" in readers else "eval"
     ev = cfg.get("eval") or {}
-    vocab, vocab_info = draft_vocabulary(cfg, target, work)
+    vocab, vocab_info = draft_vocabulary(cfg, target, work, run_folder=state_dir(cfg, work))
     if vocab is not None:
         log(f"draft vocabulary: {vocab_info}")
     res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
@@ -245,21 +275,28 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
     return extra
 
 
-def draft_vocabulary(cfg: dict, target, work: Path):
+def draft_vocabulary(cfg: dict, target, work: Path, run_folder: Path | None = None):
     """(token ids, card info) of the reduced draft vocabulary (`draft_vocab: N` in the config:
     the N tokens the target emitted most often in its train-split answers, plus EOS), or
-    (None, None) to draft from the whole vocabulary."""
+    (None, None) to draft from the whole vocabulary. A run that trained over a reduced
+    vocabulary (`run_folder` holds it) keeps that one."""
     size = cfg.get("draft_vocab")
     if not size:
         return None, None
-    from dspark.dspark_drafter.vocab import frequent_tokens
+    from dspark.dspark_drafter.vocab import frequent_tokens, read_draft_vocab
     from dspark.training.record import answer_tokens
 
-    answers = work / "cache" / "train" / "answers.jsonl"
-    if not answers.is_file():
-        raise SystemExit(f"draft_vocab needs the train answers ({answers}): run the generate stage first")
-    ids = frequent_tokens(answer_tokens(answers), int(size), always=target.eos_token_ids)
-    info = {"size": len(ids), "requested": int(size), "source": "most frequent tokens of the train-split answers, plus EOS"}
+    trained = read_draft_vocab(run_folder, target.vocab_size) if run_folder is not None else None
+    if trained is not None:
+        ids = trained
+        info = {"size": len(ids), "requested": int(size), "source": "the reduced vocabulary the drafter was trained over "
+                "(most frequent tokens of the train-split answers when training started, plus EOS)"}
+    else:
+        answers = work / "cache" / "train" / "answers.jsonl"
+        if not answers.is_file():
+            raise SystemExit(f"draft_vocab needs the train answers ({answers}): run the generate stage first")
+        ids = frequent_tokens(answer_tokens(answers), int(size), always=target.eos_token_ids)
+        info = {"size": len(ids), "requested": int(size), "source": "most frequent tokens of the train-split answers, plus EOS"}
     held_out = work / "cache" / "eval" / "answers.jsonl"
     if held_out.is_file():
         keep = set(ids.tolist())

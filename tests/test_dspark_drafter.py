@@ -215,6 +215,42 @@ def test_loss_matches_hand_computation():
     assert dspark_loss(draft, target, labels, conf, valid, LossWeights(1, 0, 0)).total.item() == pytest.approx(ce, rel=1e-5)
 
 
+def test_loss_over_a_reduced_vocabulary():
+    # V = 3, draft vocabulary {0, 2}: p_d = softmax([0, 0]) over {0, 2} = [.5, 0, .5]
+    target = torch.tensor([[[math.log(2.0), 0.0, 0.0], [math.log(2.0), 0.0, 0.0]]])  # p_t = [.5, .25, .25]
+    draft = torch.zeros(1, 2, 2)
+    vocab = torch.tensor([0, 2])
+    conf = torch.zeros(1, 2)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    labels = torch.tensor([[2, 1]])  # token 1 is outside the draft vocabulary: no CE there
+    out = dspark_loss(draft, target, labels, conf, valid, vocab=vocab)
+    # ||[.5, 0, .5] - [.5, .25, .25]||_1 = .5 at both positions (.25 of it is the mass outside)
+    assert out.tv.item() == pytest.approx(0.5, rel=1e-5)
+    assert out.ce.item() == pytest.approx(-math.log(0.5), rel=1e-5)  # position 1 only
+    # the same as the full-vocabulary loss with the outside tokens forbidden
+    full = torch.tensor([[[0.0, -1e9, 0.0], [0.0, -1e9, 0.0]]])
+    ref = dspark_loss(full, target, torch.tensor([[2, 2]]), conf, valid)
+    assert out.tv.item() == pytest.approx(ref.tv.item(), rel=1e-5)
+    assert out.conf.item() == pytest.approx(ref.conf.item(), rel=1e-5)
+
+
+def test_teacher_forced_over_a_reduced_vocabulary_keeps_those_columns(target):
+    model = make_model(target)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    ctx, valid = rand_ctx(model)
+    tokens = torch.randint(3, 96, (3, model.cfg.gamma + 1))
+    vocab = torch.tensor([0, 5, 17, 40, 95])
+    full, conf = model.teacher_forced(ctx, valid, tokens)
+    sub, conf_sub = model.teacher_forced(ctx, valid, tokens, vocab)
+    assert sub.shape == (3, model.cfg.gamma, 5)
+    torch.testing.assert_close(sub, full[..., vocab], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf_sub, conf)
+    sub.logsumexp(-1).mean().backward()  # only the vocabulary's Markov rows get a gradient
+    rows = model.markov_w2.grad.abs().sum(-1)
+    assert rows.nonzero().flatten().tolist() == vocab.tolist()
+
+
 def test_loss_gradient_does_not_flow_through_soft_label():
     draft = torch.zeros(1, 1, 3, requires_grad=True)
     target = torch.tensor([[[2.0, 0.0, 0.0]]])

@@ -12,7 +12,7 @@ import torch
 
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
-from dspark.training.data import Prompt, load_prompts, split_of
+from dspark.training.data import Prompt, load_prompts, read_jsonl, split_of
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
@@ -87,6 +87,28 @@ def test_recorded_cache_matches_a_full_forward(cache_dir, target, tmp_path):
         n = len(a["tokens"]) - 1  # the last token's states are never computed while generating
         torch.testing.assert_close(a["feats"][:n].float(), b["feats"][:n].float(), atol=0.05, rtol=0.02)
         torch.testing.assert_close(a["final"][:n].float(), b["final"][:n].float(), atol=0.05, rtol=0.02)
+
+
+def test_a_sampled_pass_adds_second_answers_to_the_same_prompts(target, tmp_path):
+    d = tmp_path / "cache"
+    plan = tiny_plan(6)
+    args = dict(batch_size=6, max_new_tokens=24, shard_size=6, log=lambda m: None)
+    generate_with_cache(target, plan, d, LAYERS, 6, **args)
+    assert generate_with_cache(target, plan, d, LAYERS, 6, temperature=8.0, tag="t1", **args) == 6
+    assert generate_with_cache(target, plan, d, LAYERS, 6, temperature=8.0, tag="t1", **args) == 0  # resumable
+    rows = {r["id"]: r for r in read_jsonl(d / "answers.jsonl")}
+    assert sorted(rows) == sorted([p.id for p, _ in plan] + [f"{p.id}~t1" for p, _ in plan])
+    for p, ids in plan:  # the same prompt and split, a different (sampled) answer
+        greedy, sampled = rows[p.id], rows[f"{p.id}~t1"]
+        assert sampled["prompt_ids"] == ids and sampled["split"] == p.split
+    assert any(rows[p.id]["output_ids"] != rows[f"{p.id}~t1"]["output_ids"] for p, _ in plan)
+    # seeded per row: a fresh run writes the same sampled answers
+    generate_with_cache(target, plan, tmp_path / "again", LAYERS, 6, temperature=8.0, tag="t1", **args)
+    again = {r["id"]: r["output_ids"] for r in read_jsonl(tmp_path / "again" / "answers.jsonl")}
+    assert again == {k: v["output_ids"] for k, v in rows.items() if k.endswith("~t1")}
+    assert {r.id for r in CacheReader(d).rows} == set(rows)
+    with pytest.raises(ValueError, match="tag"):
+        generate_with_cache(target, plan, d, LAYERS, 6, temperature=8.0, **args)
 
 
 def test_anchors_and_batch_layout(cache_dir):
@@ -263,3 +285,33 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     other = build_model(drafter_cfg(target, markov_rank=8), target.model)
     with pytest.raises(ValueError, match="markov_rank: 16 there, 8 here"):
         warm_start(other, tmp_path / "ck", target)
+
+
+def test_a_reduced_vocabulary_run_keeps_its_vocabulary_through_calibration(cache_dir, target, tmp_path):
+    """`train.reduced_vocab`: the run trains over the draft vocabulary chosen when it starts;
+    more answers arriving later do not move it, and the checkpoint ships that same set."""
+    import shutil
+
+    from dspark.dspark_drafter.vocab import VOCAB_FILE, read_draft_vocab
+    from pipelines.train_drafter import stage_calibrate, stage_train
+
+    work = tmp_path / "work"
+    shutil.copytree(cache_dir, work / "cache" / "train")
+    shutil.copytree(cache_dir, work / "cache" / "calib")
+    model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    cfg = {"model": model, "draft_vocab": 8,
+           "train": {"steps": 3, "batch_size": 8, "eval_every": 1000, "autocast_bf16": False, "reduced_vocab": True}}
+    lines: list[str] = []
+    stage_train(cfg, target, work, lines.append, None, progress=False)
+    trained = read_draft_vocab(work / "runs" / "dspark", target.vocab_size)
+    assert trained is not None and len(trained) <= 8 + len(target.eos_token_ids)
+    # new answers with other tokens: a fresh choice would differ, the run's does not
+    with (work / "cache" / "train" / "answers.jsonl").open("a") as f:
+        for _ in range(50):
+            f.write(json.dumps({"output_ids": [90, 91, 92, 93, 94, 95, 89, 88]}) + "\n")
+    cfg["train"]["steps"] = 4
+    stage_train(cfg, target, work, lines.append, None, progress=False)  # resumes over the same set
+    assert any("the run's reduced draft vocabulary" in line for line in lines)
+    extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append)
+    assert read_draft_vocab(tmp_path / "ck", target.vocab_size).tolist() == trained.tolist()
+    assert (tmp_path / "ck" / VOCAB_FILE).is_file() and "trained over" in extra["draft_vocab"]["source"]

@@ -330,15 +330,25 @@ class DSparkModel(nn.Module):
         d = self.cfg.hidden_size
         return conf_h + feat.float() @ self.conf_head.weight[0, d:].float()
 
-    def teacher_forced(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_forced(
+        self, ctx: torch.Tensor, ctx_valid: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training/eval path. tokens [B, G+1] = [anchor, y_1..y_G]; the Markov head and the
         confidence at position k condition on the TRUE previous token y_{k-1} (exactly what
         inference sees whenever positions < k were accepted).
-        Returns draft logits [B, G, V] float32 and confidence logits [B, G]."""
-        out = self.forward_block(ctx, ctx_valid, tokens[:, 0])
+        Returns draft logits [B, G, V] float32 and confidence logits [B, G]. With `vocab`
+        (sorted token ids, the reduced draft vocabulary) the logits are [B, G, Vd], column i
+        scoring token vocab[i]: the distribution the drafter samples from at run time."""
+        h, conf_h = self.backbone(ctx, ctx_valid, tokens[:, 0])
         feat = self.markov_features(tokens[:, :-1])  # [B, G, r]
-        logits = out.base_logits + self.markov_bias(feat)
-        return logits, self.conf_logit(out.conf_h, feat)
+        if vocab is None:
+            logits = self.head_logits(h) + self.markov_bias(feat)
+        else:
+            head = self.lm_head_weight[vocab]  # [Vd, d], frozen
+            logits = lm_head_logits(h.to(head.dtype), head).float()
+            if feat is not None:
+                logits = logits + feat.float() @ self.markov_w2[vocab].float().T
+        return logits, self.conf_logit(conf_h, feat)
 
 
 def build_model(cfg: DSparkConfig, target_model) -> DSparkModel:

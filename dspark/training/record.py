@@ -1,7 +1,7 @@
 """Self-distillation through the project's own engine, recording the target cache on the way.
 
 `HiddenRecorder` is a drafter that never drafts: with the `fixed:1` scheduler and empty trees
-every round verifies only the anchor, i.e. plain greedy decoding, while the engine hands it
+every round verifies only the anchor, i.e. plain decoding (greedy or sampled), while the engine hands it
 the target's hidden states of every committed token (it asks for the injected layers plus the
 final normed layer). So one pass yields both the answers and their target cache: no second
 forward over the data (which on a 2-core CPU would double the cost of the stage).
@@ -9,6 +9,7 @@ forward over the data (which on a 2-core CPU would double the cost of the stage)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,15 @@ def answer_tokens(path: str | Path) -> Iterator[list[int]]:
                 yield json.loads(line)["output_ids"]
 
 
+def row_id(prompt_id: str, tag: str = "") -> str:
+    """Cache row name: the prompt id, plus `~tag` for an extra sampled answer to it."""
+    return f"{prompt_id}~{tag}" if tag else prompt_id
+
+
+def row_seed(rid: str) -> int:
+    return int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16)
+
+
 def done_ids(out_dir: Path) -> tuple[set[str], int]:
     """Prompt ids already in the shards of `out_dir`, and the number of shards."""
     ids: set[str] = set()
@@ -82,17 +92,27 @@ def generate_with_cache(
     shard_size: int = 64,
     log: Callable[[str], None] = print,
     deadline: float | None = None,
+    temperature: float = 0.0,
+    tag: str = "",
 ) -> int:
-    """Answer the planned prompts (greedy) through DSparkGenerator and write cache shards of
+    """Answer the planned prompts through DSparkGenerator and write cache shards of
     `shard_size` answers each (plus answers.jsonl). Resumable: prompts already in a shard are
-    skipped; a shard is the unit of work. Returns the number of answers added."""
+    skipped; a shard is the unit of work. Returns the number of answers added.
+
+    Greedy by default. With `temperature` > 0 the answers are sampled (seeded per row from
+    its id and `tag`, so reruns give the same text) and their rows are named `id~tag`: a
+    second, different answer to the same prompt, in the same split. That is extra
+    self-distillation data: the training labels are the target's own distributions at every
+    position (recomputed from the cached final states), whichever token was then emitted."""
     from dspark.generator import DSparkGenerator
 
+    if temperature > 0 and not tag:
+        raise ValueError("a sampled pass needs a tag, so its rows are told apart from the greedy answers")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps({"layers": list(layers), "context_len": context_len, "shard_size": shard_size}))
     done, k = done_ids(out)
-    todo = [(p, ids) for p, ids in plan if p.id not in done]
+    todo = [(p, ids) for p, ids in plan if row_id(p.id, tag) not in done]
     recorder = HiddenRecorder(layers, target.model.config.num_hidden_layers)
     gen = DSparkGenerator(target, drafter=recorder, scheduler="fixed:1", max_batch_size=batch_size)
     t0, c0, n_new, n_tok = time.time(), time.process_time(), 0, 0
@@ -104,13 +124,14 @@ def generate_with_cache(
             break
         chunk = sorted(todo[i : i + shard_size], key=lambda x: len(x[1]))  # similar lengths share a prefill
         recorder.records.clear()
-        results = gen.generate([ids for _, ids in chunk], max_new_tokens=max_new_tokens, temperature=0.0)
+        seeds = [row_seed(row_id(p.id, tag)) for p, _ in chunk]
+        results = gen.generate([ids for _, ids in chunk], max_new_tokens=max_new_tokens, temperature=temperature, seeds=seeds)
         items, rows = [], []
         for j, ((p, ids), r) in enumerate(zip(chunk, results)):
             if j not in recorder.records:
                 continue
             feats, final = recorder.records[j]
-            meta = {"id": p.id, "domain": p.domain, "source": p.source, "split": p.split}
+            meta = {"id": row_id(p.id, tag), "domain": p.domain, "source": p.source, "split": p.split}
             items.append(shard_item(ids, r.token_ids, feats, final, context_len, meta))
             rows.append({**meta, "prompt_ids": ids, "output_ids": list(r.token_ids), "finish_reason": r.finish_reason})
             n_tok += len(r.token_ids)
@@ -124,5 +145,5 @@ def generate_with_cache(
         now = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "answers": n_new, "new_tokens": n_tok}
         stats_path.write_text(json.dumps({key: stats[key] + now[key] for key in stats}))
         dt = time.time() - t0
-        log(f"{out.name}: shard {k} +{n_new} answers ({len(done) + n_new}/{len(plan)}), {n_tok} new tokens in {dt:.0f}s = {n_tok / max(dt, 1e-9):.1f} tok/s")
+        log(f"{out.name}{'~' + tag if tag else ''}: shard {k} +{n_new} answers ({len(plan) - len(todo) + n_new}/{len(plan)}), {n_tok} new tokens in {dt:.0f}s = {n_tok / max(dt, 1e-9):.1f} tok/s")
     return n_new

@@ -44,6 +44,7 @@ class TrainConfig:
     eval_max_blocks: int = 1500
     log_every: int = 25
     autocast_bf16: bool = True
+    reduced_vocab: bool = False  # train over the config's `draft_vocab` tokens (fixed at the run's start)
     weights: LossWeights = field(default_factory=LossWeights)
 
     @staticmethod
@@ -116,10 +117,10 @@ def target_logits(model: DSparkModel, final: torch.Tensor) -> torch.Tensor:
     return (final.to(w.dtype) @ w.T).float()
 
 
-def forward_batch(model: DSparkModel, batch: Batch, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_batch(model: DSparkModel, batch: Batch, autocast: bool, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ctx = model.project_context(batch.ctx_feats)
-        logits, conf = model.teacher_forced(ctx, batch.ctx_valid, batch.tokens)
+        logits, conf = model.teacher_forced(ctx, batch.ctx_valid, batch.tokens, vocab)
     return logits.float(), conf.float()
 
 
@@ -273,10 +274,15 @@ def train(
     progress: bool = True,
     deadline: float | None = None,
     refresh: Callable[[], tuple[CacheReader, list[int]]] | None = None,
+    draft_vocab: torch.Tensor | None = None,
 ) -> dict:
     """Train to cfg.steps (resuming from state_dir); returns the counters (history, costs).
     `refresh`, if given, is called at every epoch boundary for a new (reader, rows): a cache
-    that is still growing (generation running alongside) joins the next epoch."""
+    that is still growing (generation running alongside) joins the next epoch.
+    `draft_vocab` (sorted token ids) trains the draft distribution over the reduced vocabulary
+    it will propose from (see dspark_loss); the held-out tau then drafts from it too. On CPU
+    this makes a step much cheaper: the LM head's gradient pass and the draft softmax shrink
+    from V to Vd columns."""
     torch.manual_seed(cfg.seed)
     g, n = model.cfg.gamma, model.cfg.context_len
     params = [p for p in model.parameters() if p.requires_grad]
@@ -286,6 +292,7 @@ def train(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=(0.9, 0.95),
+        fused=True,  # one kernel over all parameters: 4x faster than the per-tensor loop on CPU (50 -> 12 ms a step here)
     )
     counters = load_state(state_dir, model, opt) or {
         "step": 0, "epoch": 0, "batch_in_epoch": 0, "wall_s": 0.0, "cpu_s": 0.0, "history": [], "config": asdict(cfg)
@@ -325,10 +332,10 @@ def train(
         batch = load_batch(pool, items, g, n)
         for group in opt.param_groups:
             group["lr"] = lr_at(counters["step"], cfg)
-        logits, conf = forward_batch(model, batch, cfg.autocast_bf16)
+        logits, conf = forward_batch(model, batch, cfg.autocast_bf16, draft_vocab)
         with torch.no_grad():
             tl = target_logits(model, batch.final)
-        out = dspark_loss(logits, tl, batch.tokens[:, 1:], conf, batch.valid, cfg.weights)
+        out = dspark_loss(logits, tl, batch.tokens[:, 1:], conf, batch.valid, cfg.weights, draft_vocab)
         opt.zero_grad(set_to_none=True)
         out.total.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -346,7 +353,7 @@ def train(
         if eval_sets and (step % cfg.eval_every == 0 or step == cfg.steps):
             rec = {"step": step, "loss": run_loss, "epoch": counters["epoch"]}
             for name, (rd, rows) in eval_sets.items():
-                res = evaluate(model, rd, rows, cfg.eval_stride, cfg.eval_max_blocks, autocast=cfg.autocast_bf16)
+                res = evaluate(model, rd, rows, cfg.eval_stride, cfg.eval_max_blocks, autocast=cfg.autocast_bf16, draft_vocab=draft_vocab)
                 rec[f"tau_{name}"] = res.tau()
             counters["history"].append(rec)
             log(json.dumps(rec))
