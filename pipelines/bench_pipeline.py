@@ -7,8 +7,8 @@ same prompts.
 
 What it does:
   1. builds Parquet shards from the project's prompt sets (../shared/data/prompts): the
-     evaluation eighth of each file (sha256(id) % 8 == 7, so prompts a drafter trained on the
-     other eighths never appear), mixed domains, deterministic;
+     drafter's evaluation split of each file (`dspark.training.data.split_of`, so prompts the
+     shipped drafter was trained or calibrated on never appear), mixed domains, deterministic;
   2. runs `python -m pipelines.generate` on them (DirectRunner, in this process) once per
      scheduler, same target, drafter, dtype, batch size and max_new_tokens;
   3. calls `DSparkGenerator.generate` directly on the same rendered prompts (one call, same
@@ -24,7 +24,6 @@ overhead = pipeline job wall / (direct load + generate wall) - 1.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import statistics
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dspark.training.data import split_of
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
@@ -49,7 +50,9 @@ LOG = logging.getLogger("pipelines.bench_pipeline")
 
 
 def eval_split(record_id: str) -> bool:
-    return int(hashlib.sha256(record_id.encode()).hexdigest(), 16) % 8 == 7
+    """The drafter's held-out evaluation split (dspark.training.data.split_of), so a
+    `--drafter dspark` run never sees prompts its checkpoint was trained or calibrated on."""
+    return split_of(record_id) == "eval"
 
 
 def pick_prompts(prompts_dir: Path, total: int) -> list[dict]:

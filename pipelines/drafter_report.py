@@ -154,10 +154,11 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
             "blocks": len(r.domains),
         }
     temps = ck.temperatures or [1.0] * gamma
+    offsets = ck.offsets or [0.0] * gamma
     labels = prefix_accepted(res.accepted)
     sts = {}
-    for key, t in (("before", None), ("after", temps)):
-        a = survival(res.conf_logits, t)
+    for key, t, b in (("before", None, None), ("after", temps, offsets)):
+        a = survival(res.conf_logits, t, b)
         pred, freq, count = reliability(a, labels, 10)
         sts[key] = {
             "ece": ece(a, labels),
@@ -167,12 +168,10 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
             "count": count.tolist(),
             "bin_centers": (np.arange(10) / 10 + 0.05).tolist(),
         }
-    a_cal = np.cumprod(1.0 / (1.0 + np.exp(-res.conf_logits / np.asarray(temps)[None, :])), axis=1)
-    c_cal = 1.0 / (1.0 + np.exp(-res.conf_logits / np.asarray(temps)[None, :]))
+    c_cal = 1.0 / (1.0 + np.exp(-(res.conf_logits / np.asarray(temps)[None, :] + np.asarray(offsets)[None, :])))
     thr = np.round(np.arange(0.0, 1.0001, 0.05), 2)
     tps, rate, ver = threshold_sweep(res.accepted, c_cal, thr)
     results["dspark"]["sweep"] = {"threshold": thr.tolist(), "tokens_per_step": tps.tolist(), "acceptance_rate": rate.tolist(), "mean_verified": ver.tolist()}
-    del a_cal
     out.mkdir(parents=True, exist_ok=True)
     files = _plots(out, results, sts, gamma)
     summary = {
@@ -185,6 +184,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         "anchor_stride": stride,
         "gamma": gamma,
         "temperatures": temps,
+        "offsets": ck.offsets,
         "results": results,
         "calibration": {k: {kk: v[kk] for kk in ("ece", "auc")} for k, v in sts.items()},
         "eval_seconds": eval_s,
@@ -268,7 +268,8 @@ def _markdown(s: dict, files: list[str]) -> str:
         "",
         "## Calibration of prefix survival a_k = c_1...c_k",
         "",
-        f"STS temperatures (fitted on the calib split): {', '.join(f'{t:.3g}' for t in s['temperatures'])}.",
+        f"STS temperatures (fitted on the calib split): {', '.join(f'{t:.3g}' for t in s['temperatures'])}."
+        + (f" Offsets (c_k = sigmoid(z_k / T_k + b_k), fitted with them): {', '.join(f'{b:.3g}' for b in s['offsets'])}." if s.get("offsets") else ""),
         "",
         "| | ECE | ROC-AUC |",
         "| --- | --- | --- |",

@@ -241,8 +241,9 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
     if vocab is not None:
         log(f"draft vocabulary: {vocab_info}")
     res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
-    sts = sequential_temperature_scaling(res.conf_logits, res.accepted)
-    log(f"calibrate on {split} ({len(res.domains)} blocks): T = {[round(t, 3) for t in sts.temperatures]}, "
+    sts = sequential_temperature_scaling(res.conf_logits, res.accepted, offsets=bool(cfg.get("calibration_offsets")))
+    offsets = f", b = {[round(b, 2) for b in sts.offsets]}" if sts.offsets else ""
+    log(f"calibrate on {split} ({len(res.domains)} blocks): T = {[round(t, 3) for t in sts.temperatures]}{offsets}, "
         f"ECE {sts.ece_before:.4f} -> {sts.ece_after:.4f}, AUC {sts.auc_before:.3f} -> {sts.auc_after:.3f}")
     extra = {
         "calibration_split": split,
@@ -265,7 +266,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
         er = evaluate(model, readers["eval"], list(range(len(readers["eval"].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
         extra["eval_tau_greedy"] = er.tau_by_domain()
         log(f"eval tau (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
-    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra)
+    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets)
     stale = output / VOCAB_FILE
     if vocab is not None:
         save_draft_vocab(output, vocab)

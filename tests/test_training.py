@@ -222,6 +222,14 @@ def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
     (tree,) = drafter.propose([req], 4)
     assert tree.tokens == toks[0].tolist()
     assert tree.confidence == pytest.approx(torch.sigmoid(conf[0]).tolist(), abs=1e-4)
+    # calibrated: c_k = sigmoid(z_k / T_k + b_k), as the report computes it
+    temps, offsets = [2.0, 0.5, 1.0, 1.5], [-0.5, 0.25, 0.0, 1.0]
+    calibrated = DSparkDrafter(model, temps, options=DrafterOptions(branch_width=1), eos_token_ids=[], offsets=offsets)
+    req2 = DraftRequest(1, row["tokens"][: a + 1].tolist(), SamplingParams())
+    calibrated.start(req2, [feats[:, i * d : (i + 1) * d] for i in range(m)])
+    (tree2,) = calibrated.propose([req2], 4)
+    expected = torch.sigmoid(conf[0] / torch.tensor(temps) + torch.tensor(offsets))
+    assert tree2.tokens == tree.tokens and tree2.confidence == pytest.approx(expected.tolist(), abs=1e-4)
 
 
 def test_threshold_sweep_counts_verified_prefix():

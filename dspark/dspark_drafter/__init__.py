@@ -50,7 +50,9 @@ def load_drafter(
         path = Path(path_or_default)
     model, ck = load_model_for_target(path, target, allow_name_mismatch=allow_name_mismatch)
     vocab = None if full_vocab else ck.draft_vocab
-    return DSparkDrafter(model, ck.temperatures, options=options, eos_token_ids=target.eos_token_ids, seed=seed, draft_vocab=vocab)
+    return DSparkDrafter(
+        model, ck.temperatures, options=options, eos_token_ids=target.eos_token_ids, seed=seed, draft_vocab=vocab, offsets=ck.offsets
+    )
 
 
 __all__ = [

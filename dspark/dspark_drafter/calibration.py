@@ -4,6 +4,15 @@ Inputs are per-block arrays: conf_logits [n, G] (raw confidence logits, position
 k-1) and accepted [n, G] (1 where draft position k was accepted given 1..k-1 were; entries
 after the first rejection are ignored). Prefix survival a_k = prod_{j<=k} sigmoid(z_j / T_j)
 is compared with the event "positions 1..k all accepted".
+
+STS fits one temperature per position, as the method describes. With `offsets` it also fits
+an offset per position (c_k = sigmoid(z_k / T_k + b_k): sequential Platt scaling), still
+monotone in z_k, so each position's ranking is unchanged. The offset matters when the raw
+confidences are shifted, not just too sharp: the confidence head learns the sampling
+acceptance 1 - TV on the train split, while greedy verification accepts a token only when it is
+the target's argmax, and held-out acceptance is lower than the train split's. A temperature
+alone can then only flatten the position towards 0.5, which lowers the ECE by throwing the
+ranking away.
 """
 
 from __future__ import annotations
@@ -22,10 +31,13 @@ def prefix_accepted(accepted: np.ndarray) -> np.ndarray:
     return np.cumprod(accepted.astype(np.float64), axis=1)
 
 
-def survival(conf_logits: np.ndarray, temperatures: np.ndarray | list[float] | None = None) -> np.ndarray:
-    """[n, G] logits -> [n, G] prefix survival a_k under per-position temperatures."""
+def survival(
+    conf_logits: np.ndarray, temperatures: np.ndarray | list[float] | None = None, offsets: np.ndarray | list[float] | None = None
+) -> np.ndarray:
+    """[n, G] logits -> [n, G] prefix survival a_k under per-position temperatures and offsets."""
     t = np.ones(conf_logits.shape[1]) if temperatures is None else np.asarray(temperatures, dtype=np.float64)
-    return np.cumprod(sigmoid(conf_logits / t[None, :]), axis=1)
+    b = np.zeros(conf_logits.shape[1]) if offsets is None else np.asarray(offsets, dtype=np.float64)
+    return np.cumprod(sigmoid(conf_logits / t[None, :] + b[None, :]), axis=1)
 
 
 def ece(prob: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
@@ -77,6 +89,9 @@ def reliability(prob: np.ndarray, label: np.ndarray, bins: int = 10) -> tuple[np
 
 
 DEFAULT_GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))
+OFFSET_GRID = np.linspace(-3.0, 3.0, 61)
+# with offsets the search is 2-D: a coarser temperature grid keeps it to seconds
+OFFSET_T_GRID = np.exp(np.linspace(np.log(0.1), np.log(10.0), 61))
 
 
 @dataclass
@@ -86,32 +101,45 @@ class STSResult:
     ece_after: float
     auc_before: float
     auc_after: float
+    offsets: list[float] | None = None  # None: temperatures only (the method's STS)
 
 
 def sequential_temperature_scaling(
-    conf_logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = DEFAULT_GRID, bins: int = 15, tol: float = 5e-4
+    conf_logits: np.ndarray,
+    accepted: np.ndarray,
+    grid: np.ndarray | None = None,
+    bins: int = 15,
+    tol: float = 5e-4,
+    offsets: np.ndarray | bool | None = None,
 ) -> STSResult:
     """For k = 1..G in order, choose T_k on `grid` minimising the ECE of a_k (positions < k
     fixed). Positive temperatures keep each c_k's order, so rankings within a position hold.
     Where the ECE is flat (deep positions: a_k is almost always ~0, few positives) any T fits
-    equally well; among temperatures within `tol` of the minimum, the one closest to 1 wins,
-    so sparse evidence does not produce extreme temperatures."""
+    equally well; among candidates within `tol` of the minimum, the one closest to the
+    identity (T = 1, b = 0) wins, so sparse evidence does not produce extreme values.
+    `offsets` (True for OFFSET_GRID, or a grid) searches (T_k, b_k) jointly."""
     conf_logits = np.asarray(conf_logits, dtype=np.float64)
     labels = prefix_accepted(accepted)
+    use_offsets = offsets is not None and offsets is not False
+    b_grid = (OFFSET_GRID if offsets is True else np.asarray(offsets, dtype=np.float64)) if use_offsets else np.zeros(1)
+    t_grid = np.asarray(grid if grid is not None else OFFSET_T_GRID if use_offsets else DEFAULT_GRID, dtype=np.float64)
+    cand_t, cand_b = (a.ravel() for a in np.meshgrid(t_grid, b_grid, indexing="ij"))
+    distance = np.abs(np.log(cand_t)) + np.abs(cand_b)
     g = conf_logits.shape[1]
-    temps = np.ones(g)
-    prev = np.ones(conf_logits.shape[0])  # a_{k-1} under the chosen temperatures
+    temps, offs = np.ones(g), np.zeros(g)
+    prev = np.ones(conf_logits.shape[0])  # a_{k-1} under the chosen parameters
     for k in range(g):
-        errs = np.array([ece(prev * sigmoid(conf_logits[:, k] / t), labels[:, k], bins) for t in grid])
+        errs = np.array([ece(prev * sigmoid(conf_logits[:, k] / t + b), labels[:, k], bins) for t, b in zip(cand_t, cand_b)])
         ok = np.flatnonzero(errs <= errs.min() + tol)
-        best_t = float(grid[ok[np.argmin(np.abs(np.log(grid[ok])))]])
-        temps[k] = best_t
-        prev = prev * sigmoid(conf_logits[:, k] / best_t)
-    before, after = survival(conf_logits), survival(conf_logits, temps)
+        best = ok[np.argmin(distance[ok])]
+        temps[k], offs[k] = cand_t[best], cand_b[best]
+        prev = prev * sigmoid(conf_logits[:, k] / temps[k] + offs[k])
+    before, after = survival(conf_logits), survival(conf_logits, temps, offs)
     return STSResult(
         temperatures=[float(t) for t in temps],
         ece_before=ece(before, labels, bins),
         ece_after=ece(after, labels, bins),
         auc_before=roc_auc(before, labels),
         auc_after=roc_auc(after, labels),
+        offsets=[float(b) for b in offs] if use_offsets else None,
     )

@@ -73,6 +73,7 @@ class Checkpoint:
     config: DSparkConfig
     state: dict[str, torch.Tensor]
     temperatures: list[float] | None = None
+    offsets: list[float] | None = None  # per-position confidence offsets (None: temperatures only)
     target: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration figures, training card data
     draft_vocab: torch.Tensor | None = None  # sorted token ids the drafter proposes from; None = all
@@ -85,6 +86,7 @@ def save_checkpoint(
     temperatures: list[float] | None = None,
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    offsets: list[float] | None = None,
 ) -> Path:
     """Write weights (in `dtype`, bf16 by default: half the size) and config atomically."""
     out = Path(path)
@@ -95,7 +97,7 @@ def save_checkpoint(
         "format": FORMAT,
         "version": VERSION,
         "architecture": model.cfg.to_dict(),
-        "calibration": {"temperatures": temperatures},
+        "calibration": {"temperatures": temperatures, **({"offsets": offsets} if offsets is not None else {})},
         "target": fp,
         "extra": extra or {},
     }
@@ -121,6 +123,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         config=config,
         state=load_file(str(p / WEIGHTS)),
         temperatures=(meta.get("calibration") or {}).get("temperatures"),
+        offsets=(meta.get("calibration") or {}).get("offsets"),
         target=meta.get("target") or {},
         extra=meta.get("extra") or {},
         draft_vocab=read_draft_vocab(p, config.vocab_size),

@@ -54,6 +54,7 @@ class DSparkDrafter(DrafterBase):
         eos_token_ids: list[int] | None = None,
         seed: int = 0,
         draft_vocab: torch.Tensor | None = None,
+        offsets: list[float] | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.vocab = DraftVocab(self.model, draft_vocab)  # None: draft from the whole vocabulary
@@ -61,6 +62,8 @@ class DSparkDrafter(DrafterBase):
         self.target_layers = tuple(self.cfg.target_layers)
         t = temperatures or [1.0] * self.cfg.gamma
         self.temperatures = torch.tensor(list(t) + [1.0] * (self.cfg.gamma - len(t)), dtype=torch.float32)
+        b = offsets or [0.0] * self.cfg.gamma
+        self.offsets = torch.tensor(list(b) + [0.0] * (self.cfg.gamma - len(b)), dtype=torch.float32)
         self.options = options or DrafterOptions()
         self.eos = set(eos_token_ids or [])
         self.device = model.embed_weight.device
@@ -129,7 +132,7 @@ class DSparkDrafter(DrafterBase):
         feat = self.model.markov_features(prev)
         logits = base_logits[rows, k] + self.vocab.markov_bias(feat)
         z = self.model.conf_logit(conf_h[rows, k], feat)
-        return logits, torch.sigmoid(z / float(self.temperatures[k]))
+        return logits, torch.sigmoid(z / float(self.temperatures[k]) + float(self.offsets[k]))
 
     def _sampled_chain(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> DraftTree:
         tree = DraftTree()
