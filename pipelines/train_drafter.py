@@ -5,9 +5,11 @@ Stages (all by default, each resumable; rerun the same command to continue):
              cache (injected layers + final hidden state) is recorded on the way, in shards:
              eval and calib splits first (capped per source), then train, then the extra
              sampled answers to the train prompts that `generate.train_samples` asks for
-  train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/state
-  calibrate  Sequential Temperature Scaling on the calib split; writes the final checkpoint
-             (safetensors + config.json with temperatures and target fingerprint) to `output`,
+  train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/runs/<run>
+             (over the reduced draft vocabulary with `train.reduced_vocab: true`)
+  calibrate  Sequential Temperature Scaling on the calib split (plus per-position offsets with
+             `calibration_offsets: true`); writes the final checkpoint (safetensors +
+             config.json with the calibration and the target fingerprint) to `output`,
              plus draft_vocab.safetensors when the config sets `draft_vocab: N` (the drafter
              then proposes only the N tokens the target emits most; calibration uses it too)
 
