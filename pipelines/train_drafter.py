@@ -113,12 +113,13 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
     prompts = load_prompts(pc.get("dir", "/work/shared/data/prompts"), pc.get("files"))
     encode = lambda text: target.encode(text)  # noqa: E731
     # greedy answers per split, then the train split's extra sampled passes (`train_samples`)
-    passes = [(split, 0.0, "") for split in ("eval", "calib", "train")]
+    # (a pass may narrow the train prompts with its own max_prompt_tokens)
+    limits = {split: pc.get(f"{split}_max_prompt_tokens", pc.get("max_prompt_tokens", 384)) for split in ("eval", "calib", "train")}
+    passes = [(split, 0.0, "", limits[split]) for split in ("eval", "calib", "train")]
     for sample in gc.get("train_samples") or []:
-        passes.append(("train", float(sample["temperature"]), str(sample["tag"])))
-    for split, temperature, tag in passes:
+        passes.append(("train", float(sample["temperature"]), str(sample["tag"]), sample.get("max_prompt_tokens", limits["train"])))
+    for split, temperature, tag, limit in passes:
         cap = gc.get(f"{split}_per_source")
-        limit = int(pc.get(f"{split}_max_prompt_tokens", pc.get("max_prompt_tokens", 384)))
         plan = plan_generation(prompts, encode, split, limit, cap)
         plan = interleave_sources(plan)
         what = f"sampled pass {tag!r} (temperature {temperature})" if tag else "greedy"

@@ -12,7 +12,7 @@ import torch
 
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
-from dspark.training.data import Prompt, load_prompts, read_jsonl, split_of
+from dspark.training.data import Prompt, load_prompts, plan_generation, read_jsonl, split_of
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
@@ -68,6 +68,24 @@ def test_load_prompts_keeps_unicode_line_separators(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"id": "a-1", "domain": "chat", "turns": ["one\u2028two", "t2"]}, ensure_ascii=False) + "\n")
     (p,) = load_prompts(tmp_path)
     assert p.text == "one\u2028two" and p.source == "a" and p.split == split_of("a-1")
+
+
+def test_prompt_limits_can_be_set_per_domain():
+    # ids chosen so that all land in the train split
+    ids = [i for i in (f"q{n}" for n in range(200)) if split_of(i) == "train"][:4]
+    prompts = [
+        Prompt(ids[0], "news", "summarization", "n" * 600),
+        Prompt(ids[1], "news", "summarization", "n" * 900),
+        Prompt(ids[2], "qa", "chat", "c" * 100),
+        Prompt(ids[3], "qa", "chat", "c" * 300),
+    ]
+    encode = lambda text: list(range(len(text)))  # noqa: E731  one token per character
+    one_limit = plan_generation(prompts, encode, "train", 256)
+    assert [p.id for p, _ in one_limit] == [ids[2]]
+    per_domain = plan_generation(prompts, encode, "train", {"default": 256, "summarization": 768})
+    assert [p.id for p, _ in per_domain] == [ids[2], ids[0]]  # shortest first
+    with pytest.raises(ValueError, match="default"):
+        plan_generation(prompts, encode, "train", {"summarization": 768})
 
 
 def test_recorded_cache_matches_a_full_forward(cache_dir, target, tmp_path):
@@ -323,3 +341,20 @@ def test_a_reduced_vocabulary_run_keeps_its_vocabulary_through_calibration(cache
     extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append)
     assert read_draft_vocab(tmp_path / "ck", target.vocab_size).tolist() == trained.tolist()
     assert (tmp_path / "ck" / VOCAB_FILE).is_file() and "trained over" in extra["draft_vocab"]["source"]
+
+
+def test_a_sampled_pass_can_answer_only_the_shorter_train_prompts(target, tmp_path):
+    from pipelines.train_drafter import Logger, stage_generate
+
+    ids = [i for i in (f"r{n}" for n in range(200)) if split_of(i) == "train"][:4]
+    words = lambda n: " ".join(f"w{3 + k}" for k in range(n))  # noqa: E731
+    rows = [{"id": i, "domain": "chat", "turns": [words(4 if k % 2 else 24)]} for k, i in enumerate(ids)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "prompts": {"dir": str(tmp_path), "train_max_prompt_tokens": 40},
+        "generate": {"batch_size": 4, "max_new_tokens": 6, "shard_size": 4, "train_samples": [{"temperature": 1.0, "tag": "s", "max_prompt_tokens": 10}]},
+        "model": {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "gamma": 4, "context_len": 6, "markov_rank": 16, "target_layers": list(LAYERS)},
+    }
+    stage_generate(cfg, target, tmp_path / "work", Logger(tmp_path / "log.txt"), deadline=None)
+    answered = sorted(r["id"] for r in read_jsonl(tmp_path / "work" / "cache" / "train" / "answers.jsonl"))
+    assert answered == sorted(ids + [f"{i}~s" for k, i in enumerate(ids) if k % 2])
