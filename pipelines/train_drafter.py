@@ -4,7 +4,9 @@ Stages (all by default, each resumable; rerun the same command to continue):
   generate   the target answers prompts through the project's engine (greedy) and the target
              cache (injected layers + final hidden state) is recorded on the way, in shards:
              eval and calib splits first (capped per source), then train, then the extra
-             sampled answers to the train prompts that `generate.train_samples` asks for
+             sampled answers to the train prompts that `generate.train_samples` asks for;
+             `prompts.max_prompt_tokens` (eval, calib) and `prompts.train_max_prompt_tokens`
+             cap prompt lengths, as one number or per domain ({default: 256, summarization: 768})
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/runs/<run>
              (over the reduced draft vocabulary with `train.reduced_vocab: true`)
   calibrate  Sequential Temperature Scaling on the calib split (plus per-position offsets with
