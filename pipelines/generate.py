@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("models and engine")
     model.add_argument("--target", metavar="NAME_OR_PATH",
                        help="target model: smollm2-135m-instruct (embedded), a local HF folder (safetensors) or a .gguf file")
-    model.add_argument("--drafter", metavar="NAME", help="ngram[:N], draft-model:PATH, dspark[:PATH] or none (default: ngram)")
+    model.add_argument("--drafter", metavar="NAME", help="ngram[:N], draft-model:PATH, dspark[:PATH], none, or a union such as dspark+ngram (default: ngram)")
     model.add_argument("--scheduler", metavar="NAME",
                        help="verification scheduler: dspark[:MAX_DEPTH], ar (no speculation), fixed:K, threshold:T, util "
                        "(default: dspark)")

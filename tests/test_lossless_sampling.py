@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
+from dspark.drafters.union import UnionDrafter
 from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
@@ -163,7 +164,7 @@ def reduced_vocab_dspark_drafter(target) -> DSparkDrafter:
     return DSparkDrafter(model, eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]))
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram-tree", "dspark-reduced-vocab"])
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark+ngram"])
 def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_kind):
     target = small_vocab_target
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
@@ -173,6 +174,8 @@ def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_k
         drafter = DraftModelDrafter(draft, target)
     elif drafter_kind == "dspark-reduced-vocab":
         drafter = reduced_vocab_dspark_drafter(target)
+    elif drafter_kind == "dspark+ngram":  # a sampled chain and n-gram point masses as siblings
+        drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
     else:
         drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
     gen = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32)

@@ -7,6 +7,8 @@
     dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint),
                          drafting from the checkpoint's reduced vocabulary when it has one
     dspark-full[:PATH]   the same drafter over the whole vocabulary (for comparisons)
+    A+B[+...]            every listed drafter each round, their trees merged into one
+                         (e.g. dspark+ngram: the block drafter plus lookup in the whole prompt)
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ __all__ = ["DraftRequest", "Drafter", "DrafterBase", "NoDrafter", "NgramDrafter"
 
 
 def make_drafter(spec: str, target: TargetModel) -> Drafter:
+    if "+" in spec:
+        from dspark.drafters.union import UnionDrafter
+
+        return UnionDrafter([make_drafter(part, target) for part in spec.split("+")])
     name, _, arg = spec.strip().partition(":")
     if name in ("none", "ar", ""):
         return NoDrafter()
@@ -40,4 +46,4 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
         from dspark.dspark_drafter import load_drafter  # the trained block drafter (issue 3)
 
         return load_drafter(arg or None, target, full_vocab=name == "dspark-full")
-    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH] or dspark-full[:PATH]")
+    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH] or a union A+B")

@@ -1,0 +1,131 @@
+"""Several drafters at once: their trees merged into one, verified in one target forward.
+
+Why: drafters fail in different places. The DSpark block drafter sees only the last
+`context_len` target positions, so it cannot copy a name or a sentence from far back in a long
+prompt (summarisation, code edits); n-gram lookup does exactly that and nothing else. Merged,
+the scheduler keeps whichever candidates its confidences favour, per request and per round.
+
+Merging (`merge_trees`):
+- greedy requests: paths with the same tokens become one node whose confidence is the larger
+  of the two. Every proposal is deterministic there, so nothing depends on chance;
+- sampled requests: no de-duplication. Each drafter's tree hangs under the anchor in the given
+  order, so siblings stay independent proposals, each checked against the residual left by
+  the ones before it (`dspark.verify.verify_sampling`), and every confidence is still the
+  drafter's own, a function of the ancestors only. Output keeps the target's distribution.
+
+Each sub-drafter keeps its own `DraftRequest` (its own state dict, the same token list and
+sampling stream) and learns only from its own nodes: `observe` maps the verified tree back
+onto each drafter's proposal by token path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.base import DraftRequest, Drafter, DrafterBase, VerifyOutcome
+from dspark.tree import DraftTree
+
+
+def merge_trees(trees: list[DraftTree], dedup: bool) -> DraftTree:
+    """One tree holding every node of `trees`, earlier trees' siblings first.
+
+    dedup=True: a node whose token path already exists is folded into it (confidence = max).
+    """
+    out = DraftTree()
+    node_of: dict[tuple[int, ...], int] = {}  # token path -> merged node (dedup only)
+    for tree in trees:
+        new_index: list[int] = []
+        paths: list[tuple[int, ...]] = []
+        for tok, parent, conf, q in zip(tree.tokens, tree.parents, tree.confidence, tree.q):
+            path = (paths[parent] if parent >= 0 else ()) + (tok,)
+            paths.append(path)
+            merged_parent = new_index[parent] if parent >= 0 else -1
+            if dedup and path in node_of:
+                i = node_of[path]
+                out.confidence[i] = max(out.confidence[i], conf)
+            else:
+                i = out.add(tok, merged_parent, conf, q)
+                if dedup:
+                    node_of[path] = i
+            new_index.append(i)
+    return out
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for tok, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+    return paths
+
+
+def outcome_for(proposed: DraftTree, outcome: VerifyOutcome, hidden: list[torch.Tensor] | None) -> VerifyOutcome:
+    """The round's outcome as one sub-drafter would have seen it: its own nodes that were
+    verified (the scheduler's cut, found by token path) and the accepted ones among them."""
+    verified = set(_paths(outcome.tree))
+    vpaths = _paths(outcome.tree)
+    accepted_path = vpaths[outcome.accepted_nodes[-1]] if outcome.accepted_nodes else ()
+    own_paths = _paths(proposed)
+    keep = [i for i, p in enumerate(own_paths) if p in verified]  # ancestor-closed: verified is
+    sub = proposed.subset(keep)
+    sub_paths = _paths(sub)
+    accepted: list[int] = []
+    for depth in range(1, len(accepted_path) + 1):
+        prefix = accepted_path[:depth]
+        match = [i for i, p in enumerate(sub_paths) if p == prefix]
+        if not match:
+            break
+        accepted.append(match[0])
+    return VerifyOutcome(outcome.request_id, sub, accepted, outcome.next_token, hidden)
+
+
+class UnionDrafter(DrafterBase):
+    """Runs every sub-drafter each round and verifies the union of their proposals."""
+
+    def __init__(self, drafters: list[Drafter]) -> None:
+        if len(drafters) < 2:
+            raise ValueError("a union needs at least two drafters")
+        self.drafters = list(drafters)
+        self.name = "+".join(d.name for d in self.drafters)
+        # the engine returns hidden states for the union of the layers, in this order
+        self.target_layers = tuple(sorted({layer for d in self.drafters for layer in d.target_layers}))
+        self._slots = [[self.target_layers.index(layer) for layer in d.target_layers] for d in self.drafters]
+        self.drafts_row_subsets = all(getattr(d, "drafts_row_subsets", True) for d in self.drafters)
+
+    def _hidden_for(self, j: int, hidden: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        if hidden is None or not self._slots[j]:
+            return None
+        return [hidden[s] for s in self._slots[j]]
+
+    def _subs(self, request: DraftRequest) -> list[DraftRequest]:
+        subs = request.state["union"]
+        for sub in subs:  # the engine's per-request sampling stream is shared by all
+            sub.state["generator"] = request.state.get("generator")
+        return subs
+
+    def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
+        gen = request.state.get("generator")
+        # same token list object: the engine extends it in place after every round
+        subs = [DraftRequest(request.request_id, request.token_ids, request.sampling, {"generator": gen}) for _ in self.drafters]
+        request.state["union"] = subs
+        for j, (drafter, sub) in enumerate(zip(self.drafters, subs)):
+            drafter.start(sub, self._hidden_for(j, prompt_hidden))
+
+    def propose(self, requests: list[DraftRequest], max_depth: int) -> list[DraftTree]:
+        subs = [self._subs(r) for r in requests]
+        per_drafter = [d.propose([s[j] for s in subs], max_depth) for j, d in enumerate(self.drafters)]
+        merged = []
+        for b, r in enumerate(requests):
+            own = [trees[b] for trees in per_drafter]
+            r.state["proposed"] = own
+            merged.append(merge_trees(own, dedup=r.sampling.greedy))
+        return merged
+
+    def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
+        proposed = request.state.pop("proposed", None) or [DraftTree() for _ in self.drafters]
+        for j, (drafter, sub) in enumerate(zip(self.drafters, self._subs(request))):
+            drafter.observe(sub, outcome_for(proposed[j], outcome, self._hidden_for(j, outcome.hidden)))
+
+    def finish(self, request: DraftRequest) -> None:
+        for drafter, sub in zip(self.drafters, request.state.get("union", [])):
+            drafter.finish(sub)
+        request.state.clear()
