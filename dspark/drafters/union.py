@@ -35,10 +35,7 @@ def merge_trees(trees: list[DraftTree], dedup: bool) -> DraftTree:
     node_of: dict[tuple[int, ...], int] = {}  # token path -> merged node (dedup only)
     for tree in trees:
         new_index: list[int] = []
-        paths: list[tuple[int, ...]] = []
-        for tok, parent, conf, q in zip(tree.tokens, tree.parents, tree.confidence, tree.q):
-            path = (paths[parent] if parent >= 0 else ()) + (tok,)
-            paths.append(path)
+        for tok, parent, conf, q, path in zip(tree.tokens, tree.parents, tree.confidence, tree.q, _paths(tree)):
             merged_parent = new_index[parent] if parent >= 0 else -1
             if dedup and path in node_of:
                 i = node_of[path]
@@ -61,20 +58,17 @@ def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
 def outcome_for(proposed: DraftTree, outcome: VerifyOutcome, hidden: list[torch.Tensor] | None) -> VerifyOutcome:
     """The round's outcome as one sub-drafter would have seen it: its own nodes that were
     verified (the scheduler's cut, found by token path) and the accepted ones among them."""
-    verified = set(_paths(outcome.tree))
     vpaths = _paths(outcome.tree)
+    verified = set(vpaths)
     accepted_path = vpaths[outcome.accepted_nodes[-1]] if outcome.accepted_nodes else ()
-    own_paths = _paths(proposed)
-    keep = [i for i, p in enumerate(own_paths) if p in verified]  # ancestor-closed: verified is
+    keep = [i for i, p in enumerate(_paths(proposed)) if p in verified]  # ancestor-closed, as the verified tree is
     sub = proposed.subset(keep)
-    sub_paths = _paths(sub)
+    node_of = {p: i for i, p in reversed(list(enumerate(_paths(sub))))}  # first node per path
     accepted: list[int] = []
     for depth in range(1, len(accepted_path) + 1):
-        prefix = accepted_path[:depth]
-        match = [i for i, p in enumerate(sub_paths) if p == prefix]
-        if not match:
+        if accepted_path[:depth] not in node_of:
             break
-        accepted.append(match[0])
+        accepted.append(node_of[accepted_path[:depth]])
     return VerifyOutcome(outcome.request_id, sub, accepted, outcome.next_token, hidden)
 
 
@@ -96,14 +90,8 @@ class UnionDrafter(DrafterBase):
             return None
         return [hidden[s] for s in self._slots[j]]
 
-    def _subs(self, request: DraftRequest) -> list[DraftRequest]:
-        subs = request.state["union"]
-        for sub in subs:  # the engine's per-request sampling stream is shared by all
-            sub.state["generator"] = request.state.get("generator")
-        return subs
-
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        gen = request.state.get("generator")
+        gen = request.state.get("generator")  # the engine's per-request sampling stream, shared
         # same token list object: the engine extends it in place after every round
         subs = [DraftRequest(request.request_id, request.token_ids, request.sampling, {"generator": gen}) for _ in self.drafters]
         request.state["union"] = subs
@@ -111,7 +99,7 @@ class UnionDrafter(DrafterBase):
             drafter.start(sub, self._hidden_for(j, prompt_hidden))
 
     def propose(self, requests: list[DraftRequest], max_depth: int) -> list[DraftTree]:
-        subs = [self._subs(r) for r in requests]
+        subs = [r.state["union"] for r in requests]
         per_drafter = [d.propose([s[j] for s in subs], max_depth) for j, d in enumerate(self.drafters)]
         merged = []
         for b, r in enumerate(requests):
@@ -122,7 +110,7 @@ class UnionDrafter(DrafterBase):
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
         proposed = request.state.pop("proposed", None) or [DraftTree() for _ in self.drafters]
-        for j, (drafter, sub) in enumerate(zip(self.drafters, self._subs(request))):
+        for j, (drafter, sub) in enumerate(zip(self.drafters, request.state["union"])):
             drafter.observe(sub, outcome_for(proposed[j], outcome, self._hidden_for(j, outcome.hidden)))
 
     def finish(self, request: DraftRequest) -> None:
