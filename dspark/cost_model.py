@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from dspark.cpu_matmul import MKL_MAX_ROWS, is_packed
+from dspark.lean_forward import lean_support
 from dspark.models import TargetModel, cache_root
 
 LOG = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ def _profile_key(target: TargetModel, context: int, rows: tuple[int, ...], width
         f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
         f"{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
         f"packed={is_packed(target.model)}:{MKL_MAX_ROWS}|{getattr(cfg, '_attn_implementation', None)}|"
+        f"lean={lean_support(target.model) is None}|"
         f"rows={rows}|widths={widths}"
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

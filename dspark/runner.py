@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from dspark.kv import SlotCache
+from dspark.lean_forward import LeanDecoder, lean_support
 from dspark.tree import ancestor_mask
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
 class BlockOutput:
-    logits: torch.Tensor  # [B, W, V]
+    logits: torch.Tensor | None  # [B, W, V]; None for a prefill that asked for none
     hidden: list[torch.Tensor] | None  # per requested layer, [B, W, d]
 
 
 class ModelRunner:
-    """Owns a model's batched KV cache; rows are addressed by their index in the batch."""
+    """Owns a model's batched KV cache; rows are addressed by their index in the batch.
 
-    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = ()) -> None:
+    Llama-family models run through `LeanDecoder` (same arithmetic, less per-module overhead);
+    others, or `lean=False`, through transformers' forward."""
+
+    def __init__(self, model: PreTrainedModel, hidden_layers: tuple[int, ...] = (), lean: bool = True) -> None:
         self.model = model
+        why = lean_support(model) if lean else "lean=False"
+        self.lean = LeanDecoder(model) if why is None else None
+        if why is not None and lean:
+            LOG.debug("transformers forward for this model (%s)", why)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = model.config.num_hidden_layers
@@ -71,6 +82,11 @@ class ModelRunner:
             depths[r, :n] = d
         ids, depths, mask = ids.to(self.device), depths.to(self.device), mask.to(self.device)
         attn, positions = cache.block_inputs(mask, depths, self.dtype)
+        if self.lean is not None:
+            keep = logits_positions.to(self.device) if isinstance(logits_positions, torch.Tensor) else None
+            no_logits = isinstance(logits_positions, str) and logits_positions == "none"
+            logits, hidden = self.lean(ids, attn, positions, cache, self.hidden_layers, keep, want_logits=not no_logits)
+            return BlockOutput(logits, hidden)
         want_hidden = bool(self.hidden_layers)
         kwargs = dict(
             input_ids=ids,

@@ -38,7 +38,7 @@ def test_tree_block_logits_equal_transformers_sdpa(arch, monkeypatch):
     ]
     logits = {}
     for impl in ("sdpa", ATTN_IMPLEMENTATION):
-        runner = ModelRunner(tiny_gqa(arch, impl))
+        runner = ModelRunner(tiny_gqa(arch, impl), lean=False)  # through transformers' attention
         runner.cache, _ = runner.prefill([list(range(20, 45)), list(range(50, 60))])
         grouped_calls.clear()
         logits[impl] = runner.forward_block(blocks).logits
@@ -47,7 +47,9 @@ def test_tree_block_logits_equal_transformers_sdpa(arch, monkeypatch):
     torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)
 
 
-def test_engine_on_dspark_sdpa_equals_transformers_greedy(smol_tokenizer):
+def test_engine_on_dspark_sdpa_equals_transformers_greedy(smol_tokenizer, monkeypatch):
+    # the engine's runner would take the lean forward; make it use transformers' (and dspark_sdpa)
+    monkeypatch.setattr("dspark.runner.lean_support", lambda model: "transformers forward for this test")
     plain = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0), smol_tokenizer, "plain")
     model = tiny_model("llama", len(smol_tokenizer), seed=0, sharpen=16.0)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

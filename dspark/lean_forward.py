@@ -1,0 +1,129 @@
+"""A lean decoder forward for Llama-family targets: the same arithmetic, less Python.
+
+At batch 1 on CPU a SmolLM2-135M step spends ~21 ms in matmuls out of ~33 ms through
+transformers' forward; the rest is per-module machinery (hooks, output recording, mask
+building, kwargs plumbing) that a speculative round pays once per forward, on every round.
+`LeanDecoder` runs the decoder as plain tensor code over the engine's `SlotCache`: per layer
+RMSNorm, q/k/v projections, rotary embedding, grouped-query SDPA over the cached keys, output
+projection, residual, RMSNorm, SiLU-gated MLP, residual. It calls the model's own modules and
+parameters (nothing is copied or re-packed), so its logits match transformers' forward to
+float rounding: the tests assert it, and on SmolLM2 in float32 they are bit-identical.
+Measured here (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3 ms, 4 tokens
+44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms.
+
+Only architectures whose forward is exactly the above are taken (`lean_support`); anything
+else (other model types, sliding windows, biased output projections, non-SiLU MLPs, rope
+variants the model's own rotary module does not cover) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.kv import SlotCache
+
+# model_type -> decoder layers follow Llama's forward (Qwen2 adds q/k/v biases, handled by the
+# modules themselves). Sliding-window attention is refused per config below.
+LEAN_MODEL_TYPES = ("llama", "qwen2")
+
+
+def lean_support(model: nn.Module) -> str | None:
+    """None when `LeanDecoder` can run this model; otherwise why not (for logs)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "biased MLP"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no decoder stack with a rotary embedding"
+    for layer in inner.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None):
+            return "sliding-window attention"
+        if getattr(attn.o_proj, "bias", None) is not None:
+            return "biased output projection"
+        if abs(attn.scaling - attn.head_dim**-0.5) > 1e-12:
+            return "non-default attention scaling"
+    return None
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Llama/Qwen2 RMSNorm, op for op (statistics in float32)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LeanDecoder:
+    """Runs a Llama-family causal LM over a block of tokens per row on a `SlotCache`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        why = lean_support(model)
+        if why is not None:
+            raise ValueError(f"LeanDecoder cannot run this model: {why}")
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = self.inner.layers[0].self_attn.head_dim
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        ids: torch.Tensor,  # [B, W]
+        attention_mask: torch.Tensor,  # [B, 1, W, S + W] additive, from SlotCache.block_inputs
+        position_ids: torch.Tensor,  # [B, W]
+        cache: SlotCache,
+        hidden_layers: tuple[int, ...] = (),
+        logits_positions: torch.Tensor | None = None,  # block positions to keep; None = all
+        want_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """Appends the block's keys/values to `cache`; returns logits [B, W', V] (W' =
+        len(logits_positions) or W) and the hidden states of `hidden_layers` [B, W, d] each,
+        indexed like transformers' `output_hidden_states` (0 = embeddings, i = after layer i,
+        num_layers = after the final norm)."""
+        b, w = ids.shape
+        h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.inner.embed_tokens(ids)  # [B, W, d]
+        cos, sin = self.inner.rotary_emb(x, position_ids)  # [B, W, dh]
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        want = set(hidden_layers)
+        hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}
+        n = len(self.inner.layers)
+        for i, layer in enumerate(self.inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            y = rms_norm(x, layer.input_layernorm)
+            q = rotate(attn.q_proj(y).view(b, w, h, dh).transpose(1, 2), cos, sin)  # [B, H, W, dh]
+            k = rotate(attn.k_proj(y).view(b, w, hk, dh).transpose(1, 2), cos, sin)  # [B, Hkv, W, dh]
+            v = attn.v_proj(y).view(b, w, hk, dh).transpose(1, 2)
+            keys, values = cache.layers[i].update(k, v)  # [B, Hkv, S + W, dh]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, enable_gqa=hk != h)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, w, h * dh))
+            y = rms_norm(x, layer.post_attention_layernorm)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
+            if i + 1 in want and i + 1 < n:
+                hidden[i + 1] = x
+        if not want_logits and n not in want:
+            return None, [hidden[j] for j in hidden_layers] if hidden_layers else None
+        x = rms_norm(x, self.inner.norm)
+        if n in want:
+            hidden[n] = x
+        logits = None
+        if want_logits:
+            last = x if logits_positions is None else x[:, logits_positions]
+            logits = self.model.lm_head(last)
+        return logits, ([hidden[j] for j in hidden_layers] if hidden_layers else None)

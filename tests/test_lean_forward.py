@@ -1,0 +1,75 @@
+"""The lean decoder forward computes what transformers' forward computes, on the engine's cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dspark.lean_forward import LeanDecoder, lean_support
+from dspark.runner import ModelRunner
+from tests.conftest import tiny_model
+
+# prefill of ragged prompts, then two rounds: ragged chains and a tree, with ragged commits
+ROUNDS = [
+    ([([5], [-1]), ([6, 7, 8], [-1, 0, 1]), ([9, 10, 11, 12], [-1, 0, 0, 1])], [[0], [0, 1], [0, 2]]),
+    ([([1], [-1]), ([2], [-1]), ([3, 4], [-1, 0])], [[0], [0], [0, 1]]),
+]
+
+
+def run_rounds(model, lean: bool, hidden_layers: tuple[int, ...]) -> list[torch.Tensor]:
+    runner = ModelRunner(model, hidden_layers=hidden_layers, lean=lean)
+    assert (runner.lean is not None) == lean
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 7, 23)]
+    runner.cache, hidden, logits = runner.prefill_with_logits(prompts)
+    outs = [logits, *hidden]
+    for blocks, keep in ROUNDS:
+        out = runner.forward_block(blocks)
+        outs += [out.logits, *out.hidden]
+        runner.cache.commit(keep)
+    runner.cache.select_rows([0])  # one row, one token: the autoregressive step
+    for tok in (13, 14):
+        out = runner.forward_block([([tok], [-1])])
+        outs += [out.logits, *out.hidden]
+        runner.cache.commit([[0]])
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_matches_transformers_forward(arch):
+    model = tiny_model(arch, 256, seed=3, layers=3)
+    assert lean_support(model) is None
+    layers = (0, 1, 3)  # embeddings, after layer 1, after the final norm
+    reference = run_rounds(model, lean=False, hidden_layers=layers)
+    lean = run_rounds(model, lean=True, hidden_layers=layers)
+    assert len(lean) == len(reference)
+    for ref, got in zip(reference, lean):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_final_hidden_state_is_what_the_lm_head_reads():
+    model = tiny_model("llama", 256, seed=4, layers=2)
+    runner = ModelRunner(model, hidden_layers=(2,))
+    runner.cache, hidden, logits = runner.prefill_with_logits([[5, 6, 7, 8]])
+    torch.testing.assert_close(model.lm_head(hidden[0][:, -1]), logits)
+
+
+def test_lean_prefill_without_logits_skips_the_lm_head():
+    model = tiny_model("llama", 256, seed=4, layers=2)
+    runner = ModelRunner(model, hidden_layers=(1,))
+    cache, hidden = runner.prefill([[5, 6, 7], [8, 9]])
+    assert hidden[0].shape == (2, 3, 64)
+    assert cache.lengths.tolist() == [3, 2]
+
+
+def test_unsupported_models_keep_the_transformers_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert "gpt2" in lean_support(gpt2)
+    with pytest.raises(ValueError, match="cannot run"):
+        LeanDecoder(gpt2)
+    windowed = tiny_model("llama", 64, layers=1)
+    windowed.model.layers[0].self_attn.sliding_window = 16
+    assert lean_support(windowed) == "sliding-window attention"
+    assert ModelRunner(windowed).lean is None
