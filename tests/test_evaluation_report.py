@@ -113,6 +113,8 @@ def test_compare_rows_match_outputs(report):
         assert run["identical_to_hf"] == sum(o["token_ids"] == hf[o["prompt_id"]]["token_ids"] for o in mine) / 6
         assert len(run["first_divergence_tokens"]) == sum(o["token_ids"] != hf[o["prompt_id"]]["token_ids"] for o in mine)
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
+        ar = next(r for r in runs if r["method"] == "ar" and r["batch_size"] == run["batch_size"])
+        assert run["speedup_vs_ar"] == pytest.approx(run["tokens_per_s"] / ar["tokens_per_s"])
         # quality: against hf and against the references (4 of the 6 prompts have one)
         assert run["rouge_l_vs_hf"] == pytest.approx(np.mean([ref_rouge(o["text"], hf[o["prompt_id"]]["text"]) for o in mine]))
         assert run["bleu_vs_hf"] == pytest.approx(ref_bleu([o["text"] for o in mine], [hf[o["prompt_id"]]["text"] for o in mine]))

@@ -365,6 +365,8 @@ def summarise(runs: list[Run], references: dict[str, str] | None = None) -> list
     texts with that `hf` run and with `references` (prompt id -> reference text)."""
     rows = []
     hf_runs = {(r.scenario, r.phase, r.seed_index, r.batch_size): r for r in runs if r.method == "hf"}
+    # `ar` is the engine without drafts: a method's speed-up over it is speculation alone
+    ar_runs = {(r.scenario, r.phase, r.seed_index, r.batch_size): r for r in runs if r.method == "ar"}
     for run in runs:
         hf = hf_runs.get((run.scenario, run.phase, run.seed_index, run.batch_size))
         ref = {o.prompt_id: o.token_ids for o in hf.outputs} if hf else None
@@ -377,6 +379,10 @@ def summarise(runs: list[Run], references: dict[str, str] | None = None) -> list
         if hf:
             hf_tps = sum(len(o.token_ids) for o in hf.outputs) / hf.wall_s if hf.wall_s > 0 else 0.0
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf_tps if hf_tps > 0 else None
+        ar = ar_runs.get((run.scenario, run.phase, run.seed_index, run.batch_size))
+        if ar and ar.wall_s > 0:
+            ar_tps = sum(len(o.token_ids) for o in ar.outputs) / ar.wall_s
+            row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps > 0 else None
         by_cat = defaultdict(list)
         for o in run.outputs:
             by_cat[o.category].append(o)

@@ -62,6 +62,7 @@ RESULTS_COLUMNS = [
     ("tokens", "output_tokens", "d"),
     ("tok/s", "tokens_per_s", ".2f"),
     ("vs hf", "speedup_vs_hf", ".3f"),
+    ("vs ar", "speedup_vs_ar", ".3f"),
     ("same as hf", "identical_to_hf", "%"),
     ("tau", "mean_accepted_length", ".3f"),
     ("accept", "acceptance_rate", "%"),
