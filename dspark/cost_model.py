@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from dspark.cpu_matmul import MKL_MAX_ROWS, is_packed
+from dspark.hardware import cpu_model
 from dspark.lean_forward import lean_support
 from dspark.models import TargetModel, cache_root
 
@@ -169,7 +170,7 @@ def _profile_key(target: TargetModel, context: int, rows: tuple[int, ...], width
     cfg = target.model.config
     blob = (
         f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
-        f"{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
+        f"{_device_name(target.device)}|{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
         f"packed={is_packed(target.model)}:{MKL_MAX_ROWS}|{getattr(cfg, '_attn_implementation', None)}|"
         f"lean={lean_support(target.model) is None}|"
         f"rows={rows}|widths={widths}"
@@ -178,7 +179,8 @@ def _profile_key(target: TargetModel, context: int, rows: tuple[int, ...], width
 
 
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # the CPU model too: a cache directory can outlive the machine it was profiled on
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {cpu_model()}"
 
 
 @torch.no_grad()

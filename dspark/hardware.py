@@ -6,9 +6,11 @@ Every reading degrades to None when its source is missing (no GPU, no NVML), nev
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
@@ -22,6 +24,17 @@ def _nvml_handle(device_index: int = 0):
         return pynvml.nvmlDeviceGetHandleByIndex(device_index)
     except Exception:  # no driver, no GPU, no library: readings become None
         return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (e.g. "Intel(R) Xeon(R) Processor"), for reports and cache keys."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def device_name(device: torch.device | str | None = None) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from dspark.evaluation import load_prompt_files, run_benchmark, split_method, summarise, write_outputs
+from dspark.hardware import cpu_model
 
 DEFAULT_METHODS = "hf,hf-pld,ar,fixed:2@ngram,fixed:4@ngram,fixed:8@ngram,threshold:0.7@ngram,dspark@ngram"
 DEFAULT_LOAD_METHODS = "ar,fixed:2,fixed:4,fixed:8,dspark"
@@ -218,22 +219,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _machine() -> str:
     import psutil
     import torch
 
     ram = psutil.virtual_memory().total / 2**30
-    return (f"{platform.platform()}, {_cpu_model()}, {os.cpu_count()} CPUs, {ram:.0f} GiB RAM, "
+    return (f"{platform.platform()}, {cpu_model()}, {os.cpu_count()} CPUs, {ram:.0f} GiB RAM, "
             f"torch threads {torch.get_num_threads()}")
 
 
