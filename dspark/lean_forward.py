@@ -55,10 +55,9 @@ def lean_support(model: nn.Module) -> str | None:
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' Llama/Qwen2 RMSNorm, op for op (statistics in float32)."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x32.to(x.dtype)
+    """transformers' Llama/Qwen2 RMSNorm (normalised in float32, then cast, then scaled) with
+    torch's fused kernel: bit-identical to it in float32 and bfloat16, one op instead of six."""
+    return norm.weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
