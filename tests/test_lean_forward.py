@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from dspark.lean_forward import LeanDecoder, lean_support
 from dspark.runner import ModelRunner
@@ -46,6 +46,21 @@ def test_lean_matches_transformers_forward(arch):
     assert len(lean) == len(reference)
     for ref, got in zip(reference, lean):
         assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_matches_a_llama_with_biases_everywhere():
+    # attention_bias puts biases on q/k/v/o, mlp_bias on the MLP: the modules carry them
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True, mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)  # transformers initialises biases to zero
+    assert lean_support(model) is None
+    for ref, got in zip(run_rounds(model, lean=False, hidden_layers=(1,)), run_rounds(model, lean=True, hidden_layers=(1,))):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
