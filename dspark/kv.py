@@ -73,6 +73,19 @@ class SlotLayer(DynamicLayer):
         return self.length
 
 
+def _uninitialised(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A buffer whose slots past the used length are never read before `update` writes them."""
+    return like.new_empty(*shape)
+
+
+def _select_used(buf: torch.Tensor, rows: torch.Tensor, used: int) -> torch.Tensor:
+    """buf[rows] with the same capacity, copying only the `used` slots: a row leaving a long
+    batch costs half the copy or less."""
+    out = _uninitialised(buf, len(rows), *buf.shape[1:])
+    torch.index_select(buf[:, :, :used], 0, rows, out=out[:, :, :used])
+    return out
+
+
 class SlotCache(Cache):
     """KV cache for a batch of rows that advance independently (see module doc)."""
 
@@ -153,8 +166,7 @@ class SlotCache(Cache):
         self.lengths = self.lengths[idx]
         for layer in self.layers:
             if layer._k is not None:
-                layer._k = layer._k[idx]
-                layer._v = layer._v[idx]
+                layer._k, layer._v = (_select_used(buf, idx, layer.length) for buf in (layer._k, layer._v))
         self.maybe_compact(force=len(rows) == 0)
 
     def append_rows(self, other: "SlotCache") -> None:
@@ -172,16 +184,17 @@ class SlotCache(Cache):
         pad_valid = lambda v: torch.cat([v, v.new_zeros(v.shape[0], s - v.shape[1])], dim=1)  # noqa: E731
         self.valid = torch.cat([pad_valid(self.valid), pad_valid(other.valid)], dim=0)
         self.lengths = torch.cat([self.lengths, other.lengths])
+        # room to grow: the next forward appends a block, and a buffer sized exactly to `s` would
+        # be copied again at once (`_ensure` doubles it then anyway)
+        cap = max(2 * s, 64)
         for mine, theirs in zip(self.layers, other.layers):
-            cap = max(s, 64)
-
-            def fit(t: torch.Tensor, used: int) -> torch.Tensor:
-                out = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
-                out[:, :, :used] = t[:, :, :used]
-                return out
-
-            mine._k = torch.cat([fit(mine._k, mine.length), fit(theirs._k, theirs.length)], dim=0)
-            mine._v = torch.cat([fit(mine._v, mine.length), fit(theirs._v, theirs.length)], dim=0)
+            for name in ("_k", "_v"):
+                a, b = getattr(mine, name), getattr(theirs, name)
+                out = _uninitialised(a, a.shape[0] + b.shape[0], a.shape[1], cap, a.shape[3])
+                for part, src, used in ((out[: a.shape[0]], a, mine.length), (out[a.shape[0] :], b, theirs.length)):
+                    part[:, :, :used] = src[:, :, :used]
+                    part[:, :, used:s].zero_()  # masked slots are still read: keep them finite
+                setattr(mine, name, out)
             mine.length = s
 
     def maybe_compact(self, force: bool = False) -> None:

@@ -117,6 +117,29 @@ def test_slot_cache_rows_advance_independently():
     assert torch.allclose(out.logits[1, 0], full([1, 2, 3, 4, 5, 20, 21, 22, 40, 71])[-1], atol=1e-5)
 
 
+def test_slot_cache_never_reads_uninitialised_slots(monkeypatch):
+    """Buffers re-allocated when rows leave or join start as NaN here: a read of any slot that
+    was not written (or zeroed, for the masked padding of shorter rows) would poison the logits."""
+    monkeypatch.setattr("dspark.kv._uninitialised", lambda like, *shape: torch.full(shape, float("nan"), dtype=like.dtype))
+    model = tiny_model("llama", 100, seed=6)
+    runner = ModelRunner(model)
+
+    def full(seq):
+        with torch.no_grad():
+            return model(torch.tensor([seq])).logits[0]
+
+    a, b, c = [1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12], [21, 22, 23, 24]
+    runner.cache.append_rows(runner.prefill([a[:-1], b[:-1]])[0])
+    runner.forward_block([([a[-1]], [-1]), ([b[-1]], [-1])])
+    runner.cache.commit([[0], [0]])
+    runner.cache.select_rows([1])  # row a leaves
+    runner.cache.append_rows(runner.prefill([c[:-1]])[0])  # row c joins, shorter than the cache
+    out = runner.forward_block([([30, 31], [-1, 0]), ([c[-1], 32], [-1, 0])])
+    assert torch.isfinite(out.logits).all()
+    torch.testing.assert_close(out.logits[0], full(b + [30, 31])[-2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits[1], full(c + [32])[-2:], rtol=1e-5, atol=1e-5)
+
+
 def test_round_statistics():
     s = RequestStats()
     s.record_round(drafted=4, verified_depths=[1, 2, 3], accepted_depth=2, confidences=[0.9, 0.8, 0.5])
