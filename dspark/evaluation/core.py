@@ -344,7 +344,8 @@ def _summary(outputs: list[Output], wall_s: float, ref: dict[str, list[int]] | N
         "identical_to_hf": (sum(same) / len(same)) if same else None,
         # how early outputs leave hf's (expected only outside float32): one entry per differing prompt
         "first_divergence_tokens": sorted(i for i in divergence if i is not None) if ref else None,
-        "mean_accepted_length": stats.mean_accepted_length if has_stats else 1.0,
+        # transformers' generate reports no rounds: unknown for hf-pld, not 1
+        "mean_accepted_length": stats.mean_accepted_length if has_stats else None,
         "acceptance_rate": stats.acceptance_rate if has_stats else None,
         "correction_rate": stats.correction_rate if has_stats else None,
         "mean_verify_budget": stats.mean_verify_budget if has_stats else 0.0,
