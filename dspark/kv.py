@@ -81,6 +81,8 @@ def _uninitialised(like: torch.Tensor, *shape: int) -> torch.Tensor:
 def _select_used(buf: torch.Tensor, rows: torch.Tensor, used: int) -> torch.Tensor:
     """buf[rows] with the same capacity, copying only the `used` slots: a row leaving a long
     batch costs half the copy or less."""
+    if buf.device.type != "cpu":  # index_select into a strided view: measured on CPU only
+        return buf[rows]
     out = _uninitialised(buf, len(rows), *buf.shape[1:])
     torch.index_select(buf[:, :, :used], 0, rows, out=out[:, :, :used])
     return out
