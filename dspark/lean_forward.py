@@ -11,8 +11,8 @@ with them), so its logits match transformers' forward to float rounding: the tes
 On SmolLM2 they are bit-identical for multi-token blocks in float32 and bfloat16; one-token
 steps differ by ~1e-5 in float32, where transformers expands the KV heads before attention
 and this path lets SDPA group them.
-Measured here (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3 ms, 4 tokens
-44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms.
+Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3
+ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms.
 
 Only architectures whose forward is exactly the above are taken (`lean_support`); anything
 else (other model types, sliding windows, non-SiLU MLPs, non-default attention scaling) keeps
