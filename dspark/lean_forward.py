@@ -115,13 +115,10 @@ class LeanDecoder:
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
             if i + 1 in want and i + 1 < n:
                 hidden[i + 1] = x
-        if not want_logits and n not in want:
-            return None, [hidden[j] for j in hidden_layers] if hidden_layers else None
-        x = rms_norm(x, self.inner.norm)
-        if n in want:
-            hidden[n] = x
         logits = None
+        if want_logits or n in want:
+            x = rms_norm(x, self.inner.norm)
+            hidden[n] = x
         if want_logits:
-            last = x if logits_positions is None else x[:, logits_positions]
-            logits = self.model.lm_head(last)
+            logits = self.model.lm_head(x if logits_positions is None else x[:, logits_positions])
         return logits, ([hidden[j] for j in hidden_layers] if hidden_layers else None)

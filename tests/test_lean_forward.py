@@ -71,9 +71,10 @@ def test_lean_final_hidden_state_is_what_the_lm_head_reads():
     torch.testing.assert_close(model.lm_head(hidden[0][:, -1]), logits)
 
 
-def test_lean_prefill_without_logits_skips_the_lm_head():
+def test_lean_prefill_without_logits_skips_the_lm_head(monkeypatch):
     model = tiny_model("llama", 256, seed=4, layers=2)
     runner = ModelRunner(model, hidden_layers=(1,))
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: pytest.fail("the LM head ran for a prefill without logits"))
     cache, hidden = runner.prefill([[5, 6, 7], [8, 9]])
     assert hidden[0].shape == (2, 3, 64)
     assert cache.lengths.tolist() == [3, 2]
