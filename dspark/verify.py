@@ -55,7 +55,11 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tens
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-    """`target_probs`: [N+1, V] float32 target distributions at block positions (0 = anchor)."""
+    """`target_probs`: [N+1, V] float32 target distributions at block positions (0 = anchor).
+
+    Runs on the CPU whatever the model's device: each request's generator is a CPU one, so a
+    seed gives the same tokens on every device (and the walk is scalar work anyway)."""
+    target_probs = target_probs.cpu()
     children = tree.children()
     accepted: list[int] = []
     block_pos = 0
@@ -64,7 +68,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
         next_p = None
         for k in children[block_pos]:
             x = tree.tokens[k]
-            q = tree.q[k]
+            q = None if tree.q[k] is None else tree.q[k].cpu()
             q_x = 1.0 if q is None else float(q[x])
             p_x = float(p[x])
             u = float(torch.rand((), generator=generator))

@@ -219,7 +219,11 @@ def test_resources_and_soak(report):
     res = report["results"]
     r = res["resources"]
     assert r["rss_peak_bytes"] == max(s[1] for s in r["rss_samples"])
-    assert r["cuda"] is None and r["gpu_util_mean"] is None  # CPU machine
+    if torch.cuda.is_available():  # the target loaded on the GPU (device auto): NVML and allocator readings
+        assert r["device"] == torch.cuda.get_device_name() and 0.0 <= r["gpu_util_mean"] <= 1.0
+        assert 0 < r["cuda"]["peak_allocated_bytes"] <= r["cuda"]["peak_reserved_bytes"]
+    else:
+        assert r["cuda"] is None and r["gpu_util_mean"] is None
     assert [d["drafter"] for d in r["drafters"]] == [report["dm"], "ngram"] and r["drafters"][1]["tensor_bytes"] == 0
     model = report["target"].model  # the draft model is a second copy of the target: its full size is extra
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # untied: no sharing
@@ -258,7 +262,8 @@ def test_report_markdown_and_plots(report):
         assert (key in targets) == (run["method"] != "hf" and run["mean_verify_budget"] > 0)
         if key in targets:
             assert targets[key]["met"] == ("yes" if run["correction_rate"] < 0.15 else "no")
-    assert targets["CUDA fragmentation at peak"]["met"] == "-"  # no GPU
+    frag = res["resources"]["cuda"]
+    assert targets["CUDA fragmentation at peak"]["met"] == ("-" if frag is None else ("yes" if frag["peak_fragmentation"] < 0.05 else "no"))
     soak = dict((r["soak"], r["value"]) for r in parse_md_table(md, "## Soak"))
     assert int(soak["errors"]) == res["soak"]["errors"] and int(soak["requests"]) == res["soak"]["requests"]
     expected = {"speedup_by_category", "tau_acceptance_by_category", "latency", "sampling", "threshold_sweep", "load_sweep", "memory", "soak"}

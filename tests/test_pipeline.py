@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -136,7 +137,11 @@ def test_shard_metrics_match_generations(main_job):
         # a ratio of sums lies within the per-row ratios
         taus = [g["mean_accepted_length"] for g in mine if g["num_output_tokens"] > 1]
         assert min(taus) - 1e-9 <= m["mean_accepted_length"] <= max(taus) + 1e-9
-        assert m["device"] and m["gpu_util_mean"] is None and m["gpu_mem_peak_bytes"] is None
+        if torch.cuda.is_available():  # device "auto" ran the job on the GPU: NVML readings
+            assert m["device"] == torch.cuda.get_device_name()
+            assert 0.0 <= m["gpu_util_mean"] <= 1.0 and m["gpu_mem_peak_bytes"] > 0
+        else:
+            assert m["device"] and m["gpu_util_mean"] is None and m["gpu_mem_peak_bytes"] is None
         assert m["rss_peak_bytes"] > 0
     assert metrics[str(main_job["root"] / "in" / "b.parquet")]["num_duplicate_ids"] == 1
     totals = read_summary(out)["totals"]

@@ -79,7 +79,8 @@ class DraftModelDrafter(DrafterBase):
                     token = int(probs.argmax())
                     q = None
                 else:
-                    probs = probs_from_logits(row_logits, req.sampling)
+                    # sampled on the CPU: the request's generator lives there on every device
+                    probs = probs_from_logits(row_logits, req.sampling).cpu()
                     token = int(torch.multinomial(probs, 1, generator=req.state.get("generator")))
                     q = probs
                 chains[b].append(token)

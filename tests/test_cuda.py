@@ -1,0 +1,192 @@
+"""The engine on a GPU: the lossless checks of test_lossless_* again on CUDA, and NVML readings.
+
+Skipped where there is no CUDA device (as in CI). `DSPARK_TEST_ACCELERATOR=cpu` runs the same
+checks on the CPU: that is how their own logic is checked on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.cost_model import measure_batch_costs
+from dspark.drafters.draft_model import DraftModelDrafter
+from dspark.drafters.ngram import NgramDrafter
+from dspark.drafters.union import UnionDrafter
+from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
+from dspark.generator import DSparkGenerator
+from dspark.hardware import UtilizationProbe, UtilizationSampler
+from dspark.models import load_model, wrap_model
+from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.schedulers import DSparkScheduler, FixedLength
+from tests.conftest import tiny_model, word_tokenizer
+from tests.test_lossless_greedy import CHEAP_VERIFY, SCHEDULERS, hf_greedy, ragged_prompts, scheduler
+from tests.test_lossless_sampling import assert_follows
+
+DEVICE = torch.device(os.environ.get("DSPARK_TEST_ACCELERATOR", "cuda"))
+ON_GPU = DEVICE.type == "cuda"
+pytestmark = pytest.mark.skipif(
+    ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU (DSPARK_TEST_ACCELERATOR=cpu runs these checks on the CPU)"
+)
+
+
+@pytest.fixture(scope="module")
+def targets(smol_tokenizer):
+    """Tiny random Llama and Qwen2 targets in float32 on the accelerator."""
+    build = {"llama": 0, "qwen2": 1}
+    return {
+        arch: wrap_model(tiny_model(arch, len(smol_tokenizer), seed=seed, sharpen=16.0).to(DEVICE), smol_tokenizer, f"tiny-{arch}")
+        for arch, seed in build.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def references(targets):
+    prompts = ragged_prompts(8)
+    return {arch: (prompts, [hf_greedy(t, p, 20) for p in prompts]) for arch, t in targets.items()}
+
+
+def test_targets_are_on_the_accelerator(targets):
+    for t in targets.values():
+        assert t.device.type == DEVICE.type and t.dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_ngram_greedy_equals_plain_greedy(arch, batch_size, sched, targets, references):
+    prompts, expected = references[arch]
+    results = DSparkGenerator(targets[arch], NgramDrafter(), scheduler(sched), max_batch_size=batch_size).generate(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in results] == expected
+    if sched != "ar":
+        assert sum(r.stats.verified for r in results) > 0, "the test must exercise verification"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("sched", ["fixed:3", "dspark"])
+def test_draft_model_greedy_equals_plain_greedy(arch, batch_size, sched, targets, references, smol_tokenizer):
+    prompts, expected = references[arch]
+    draft = wrap_model(tiny_model("llama", len(smol_tokenizer), seed=7, layers=1, sharpen=16.0).to(DEVICE), smol_tokenizer, "tiny-draft")
+    gen = DSparkGenerator(targets[arch], DraftModelDrafter(draft, targets[arch]), scheduler(sched), max_batch_size=batch_size)
+    results = gen.generate(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.verified for r in results) > 0
+
+
+def test_continuous_batching(targets):
+    """11 requests through 4 slots: rows leave and join the batch's KV cache on the device."""
+    prompts = ragged_prompts(11, seed=3)
+    expected = [hf_greedy(targets["llama"], p, 24) for p in prompts]
+    gen = DSparkGenerator(targets["llama"], NgramDrafter(), DSparkScheduler(cost=CHEAP_VERIFY), max_batch_size=4)
+    assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=24)] == expected
+
+
+# --- sampling: chi-square against the exact two-token distribution, as in test_lossless_sampling
+VOCAB = 8
+
+
+def exact_two_token_distribution(model, prompt: list[int]) -> np.ndarray:
+    """P(t1, t2 | prompt) from the model directly, [VOCAB, VOCAB]."""
+    params = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        p1 = probs_from_logits(model(torch.tensor([prompt], device=DEVICE)).logits[0, -1], params).cpu()
+        p2 = [probs_from_logits(model(torch.tensor([prompt + [t]], device=DEVICE)).logits[0, -1], params).cpu() for t in range(VOCAB)]
+    return np.stack([(p1[t] * p2[t]).double().numpy() for t in range(VOCAB)])
+
+
+def reduced_vocab_dspark_drafter(target) -> DSparkDrafter:
+    """As in test_lossless_sampling: a random DSpark drafter proposing 4 of the 8 tokens, on the device."""
+    torch.manual_seed(5)
+    cfg = DSparkConfig.for_target(target.model.config, num_layers=1, context_len=4, gamma=3, markov_rank=4)
+    model = build_model(cfg, target.model)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    return DSparkDrafter(model.to(DEVICE), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]))
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram-tree", "draft-model", "dspark-reduced-vocab", "dspark+ngram"])
+def test_sampling_matches_target_in_batches(drafter_kind):
+    tok = word_tokenizer(VOCAB)
+    model = tiny_model("llama", VOCAB, seed=3, hidden=32, layers=2, eos=None)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    target = wrap_model(model.to(DEVICE), tok, "tiny-8")
+    if drafter_kind == "draft-model":
+        draft = wrap_model(tiny_model("llama", VOCAB, seed=11, hidden=32, layers=1, eos=None).to(DEVICE), tok, "d")
+        drafter = DraftModelDrafter(draft, target)
+    elif drafter_kind == "dspark-reduced-vocab":
+        drafter = reduced_vocab_dspark_drafter(target)
+    elif drafter_kind == "dspark+ngram":
+        drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
+    else:
+        drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes a tree
+    n = 3000
+    results = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32).generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1234)
+    joint = np.zeros((VOCAB, VOCAB))
+    for r in results:
+        joint[r.token_ids[0], r.token_ids[1]] += 1
+    expected = exact_two_token_distribution(target.model, prompt)
+    assert_follows(joint.sum(1), expected.sum(1), "first token")
+    assert_follows(joint.ravel(), expected.ravel(), "token pairs")
+    assert sum(r.stats.accepted for r in results) > 0.1 * n, "drafts must be accepted often enough to matter"
+
+
+# --- the embedded target --------------------------------------------------------------------
+PROMPTS = [
+    "Summarise in one sentence: The city council voted on Tuesday to expand the bike lane network.",
+    "Write a Python function that returns the factorial of n.",
+    "What is 17 times 23?",
+]
+
+
+@pytest.fixture(scope="module")
+def embedded_fp32_here():
+    return load_model("smollm2-135m-instruct", dtype="float32", device=str(DEVICE))
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("drafter", ["ngram", "dspark", "dspark+ngram"])
+def test_embedded_fp32_equals_transformers_greedy(embedded_fp32_here, drafter):
+    target = embedded_fp32_here
+    ids = [target.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(target, p, 32) for p in ids]
+    gen = DSparkGenerator(target, drafter, DSparkScheduler(cost=CHEAP_VERIFY), max_batch_size=3)
+    results = gen.generate(ids, max_new_tokens=32)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.accepted for r in results) > 0
+
+
+@pytest.mark.embedded
+def test_embedded_auto_dtype_is_bf16_on_gpu():
+    target = load_model("smollm2-135m-instruct", dtype="auto", device=str(DEVICE))
+    if ON_GPU:
+        assert target.dtype in (torch.bfloat16, torch.float16)
+    results = DSparkGenerator(target, "ngram", "fixed:2", max_batch_size=3).generate(PROMPTS, max_new_tokens=16)
+    assert all(r.num_output_tokens > 0 and r.text for r in results)
+
+
+# --- readings ---------------------------------------------------------------------------------
+def test_gpu_readings_come_from_nvml(targets):
+    gen = DSparkGenerator(targets["llama"], NgramDrafter(), FixedLength(2), max_batch_size=8)
+    with UtilizationSampler(interval_s=0.02, device=DEVICE) as sampler:
+        gen.generate(ragged_prompts(8), max_new_tokens=64)
+    report = sampler.report
+    probe = UtilizationProbe(DEVICE).read()
+    if ON_GPU:
+        assert report.device == torch.cuda.get_device_name(DEVICE)
+        assert report.gpu_util_mean is not None and 0.0 <= report.gpu_util_mean <= 1.0
+        assert report.gpu_mem_peak_bytes is not None and report.gpu_mem_peak_bytes > 0
+        assert probe is not None and 0.0 <= probe <= 1.0
+    else:
+        assert report.gpu_util_mean is None and report.gpu_mem_peak_bytes is None
+
+
+def test_cost_table_profiles_on_the_device(targets):
+    table = measure_batch_costs(targets["llama"], rows=(1, 4), widths=(1, 4, 16), context=64, reps=2)
+    assert table.rows == (1, 4) and table.widths == (1, 4, 16)
+    assert all(0 < s < 1.0 for line in table.seconds for s in line), table.describe()
