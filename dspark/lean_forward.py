@@ -11,6 +11,11 @@ with them), so its logits match transformers' forward to float rounding: the tes
 On SmolLM2 they are bit-identical for multi-token blocks in float32 and bfloat16; one-token
 steps differ by ~1e-5 in float32, where transformers expands the KV heads before attention
 and this path lets SDPA group them.
+On other devices (CUDA) it makes transformers' kernel choices instead of the fused CPU ones
+(`transformers_kernels`): on an H200 in bfloat16 the CPU choices gave greedy outputs that
+matched transformers' on 0 of 4 prompts (100% in float32). The likely cause, as transformers'
+own SDPA integration notes, is that grouped SDPA under a mask runs the math kernel on CUDA;
+this policy has not been measured on a GPU yet.
 Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3
 ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms.
 
@@ -59,6 +64,25 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
 
 
+def transformers_kernels(device: torch.device) -> bool:
+    """Whether to run the ops transformers runs rather than the faster equivalents.
+
+    On CPU the fused RMSNorm and grouped-query SDPA under a mask are bit-identical to
+    transformers' ops (tested), and faster. On CUDA they are not the same kernels: grouped SDPA
+    with a mask falls back to the math kernel (transformers expands the KV heads instead), and
+    the fused RMSNorm rounds differently, so bfloat16 greedy outputs would drift from
+    transformers' for no speed gain. There the lean path takes transformers' choices."""
+    return device.type != "cpu"
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, S, dh] -> [B, Hkv * n_rep, S, dh], each KV head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, hk, s, dh = x.shape
+    return x[:, :, None].expand(b, hk, n_rep, s, dh).reshape(b, hk * n_rep, s, dh)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding as transformers applies it: x*cos + rotate_half(x)*sin."""
     half = x.shape[-1] // 2
@@ -78,17 +102,29 @@ class LeanDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = self.inner.layers[0].self_attn.head_dim
+        self.transformers_kernels = transformers_kernels(next(model.parameters()).device)
+
+    def norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return module(x) if self.transformers_kernels else rms_norm(x, module)
+
+    def attention(self, q, keys, values, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        grouped = self.num_kv_heads != self.num_heads
+        if mask is not None and grouped and self.transformers_kernels:
+            n_rep = self.num_heads // self.num_kv_heads
+            return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped)
 
     @torch.no_grad()
     def __call__(
         self,
         ids: torch.Tensor,  # [B, W]
-        attention_mask: torch.Tensor,  # [B, 1, W, S + W] additive, from SlotCache.block_inputs
+        attention_mask: torch.Tensor | None,  # [B, 1, W, S + W] additive (SlotCache.block_inputs); None: see is_causal
         position_ids: torch.Tensor,  # [B, W]
         cache: SlotCache,
         hidden_layers: tuple[int, ...] = (),
         logits_positions: torch.Tensor | None = None,  # block positions to keep; None = all
         want_logits: bool = True,
+        is_causal: bool = False,  # with no mask: causal block on an empty cache (else every key is visible)
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """Appends the block's keys/values to `cache`; returns logits [B, W', V] (W' =
         len(logits_positions) or W) and the hidden states of `hidden_layers` [B, W, d] each,
@@ -104,20 +140,20 @@ class LeanDecoder:
         n = len(self.inner.layers)
         for i, layer in enumerate(self.inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            y = rms_norm(x, layer.input_layernorm)
+            y = self.norm(x, layer.input_layernorm)
             q = rotate(attn.q_proj(y).view(b, w, h, dh).transpose(1, 2), cos, sin)  # [B, H, W, dh]
             k = rotate(attn.k_proj(y).view(b, w, hk, dh).transpose(1, 2), cos, sin)  # [B, Hkv, W, dh]
             v = attn.v_proj(y).view(b, w, hk, dh).transpose(1, 2)
             keys, values = cache.layers[i].update(k, v)  # [B, Hkv, S + W, dh]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, enable_gqa=hk != h)
+            o = self.attention(q, keys, values, attention_mask, is_causal)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, w, h * dh))
-            y = rms_norm(x, layer.post_attention_layernorm)
+            y = self.norm(x, layer.post_attention_layernorm)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
             if i + 1 in want and i + 1 < n:
                 hidden[i + 1] = x
         logits = None
         if want_logits or n in want:
-            x = rms_norm(x, self.inner.norm)
+            x = self.norm(x, self.inner.norm)
             hidden[n] = x
         if want_logits:
             logits = self.model.lm_head(x if logits_positions is None else x[:, logits_positions])

@@ -85,7 +85,10 @@ class ModelRunner:
         if self.lean is not None:
             keep = logits_positions.to(self.device) if isinstance(logits_positions, torch.Tensor) else None
             no_logits = isinstance(logits_positions, str) and logits_positions == "none"
-            logits, hidden = self.lean(ids, attn, positions, cache, self.hidden_layers, keep, want_logits=not no_logits)
+            maskless, is_causal = self._maskless(blocks, cache) if self.lean.transformers_kernels else (False, False)
+            logits, hidden = self.lean(
+                ids, None if maskless else attn, positions, cache, self.hidden_layers, keep, want_logits=not no_logits, is_causal=is_causal
+            )
             return BlockOutput(logits, hidden)
         want_hidden = bool(self.hidden_layers)
         kwargs = dict(
@@ -103,6 +106,23 @@ class ModelRunner:
         out = self.model(**kwargs)
         hidden = [out.hidden_states[i] for i in self.hidden_layers] if want_hidden else None
         return BlockOutput(out.logits, hidden)
+
+    @staticmethod
+    def _maskless(blocks: list[tuple[list[int], list[int]]], cache: SlotCache) -> tuple[bool, bool]:
+        """(no mask needed, causal) where transformers would pass no mask either: one row, a
+        chain, every cached slot valid, and either one new token (it sees every key) or an
+        empty cache (plain causal). Then SDPA may use its fastest kernel, as transformers'."""
+        if len(blocks) != 1:
+            return False, False
+        tokens, parents = blocks[0]
+        w = len(tokens)
+        if parents != list(range(-1, w - 1)):
+            return False, False
+        if cache.num_slots == 0:
+            return True, w > 1
+        if w == 1 and int(cache.lengths[0]) == cache.num_slots:  # one sync: holes left by a batch?
+            return True, False
+        return False, False
 
     def prefill(self, prompts: list[list[int]]) -> tuple[SlotCache, list[torch.Tensor] | None]:
         """Fill a fresh cache with each prompt; returns it (to merge) and the requested hidden

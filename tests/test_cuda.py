@@ -170,6 +170,17 @@ def test_embedded_auto_dtype_is_bf16_on_gpu():
     assert all(r.num_output_tokens > 0 and r.text for r in results)
 
 
+@pytest.mark.embedded
+def test_embedded_bf16_plain_decoding_equals_transformers_greedy():
+    """One row, one token per step, in bfloat16: the lean forward makes transformers' kernel
+    choices on this device, so plain decoding is the same computation as `generate`'s."""
+    target = load_model("smollm2-135m-instruct", dtype="bfloat16", device=str(DEVICE))
+    ids = [target.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(target, p, 32) for p in ids]
+    results = DSparkGenerator(target, None, "ar", max_batch_size=1).generate(ids, max_new_tokens=32)
+    assert [r.token_ids for r in results] == expected
+
+
 # --- readings ---------------------------------------------------------------------------------
 def test_gpu_readings_come_from_nvml(targets):
     gen = DSparkGenerator(targets["llama"], NgramDrafter(), FixedLength(2), max_batch_size=8)

@@ -89,3 +89,61 @@ def test_unsupported_models_keep_the_transformers_forward():
     windowed.model.layers[0].self_attn.sliding_window = 16
     assert lean_support(windowed) == "sliding-window attention"
     assert ModelRunner(windowed).lean is None
+
+
+# --- transformers' kernel choices (the CUDA policy), checked on the CPU -----------------------
+def run_single_row(model, lean: bool) -> list[torch.Tensor]:
+    """One row: prefill, one-token steps, a chain on a filled cache, a partial commit, a step."""
+    runner = ModelRunner(model, lean=lean)
+    runner.cache, _, logits = runner.prefill_with_logits([[5, 9, 17, 33, 2, 71, 8]])
+    outs = [logits]
+    for blocks, keep in [([([13], [-1])], [[0]]), ([([14], [-1])], [[0]]), ([([3, 4, 5], [-1, 0, 1])], [[0, 1]]), ([([6], [-1])], [[0]])]:
+        out = runner.forward_block(blocks)
+        outs.append(out.logits)
+        runner.cache.commit(keep)
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_with_transformers_kernels_matches_transformers_forward(arch, monkeypatch):
+    """The device policy used on CUDA (transformers' RMSNorm; KV heads expanded under a mask; no
+    mask where transformers passes none) computes the same logits, and takes each path."""
+    import torch.nn.functional as F
+
+    model = tiny_model(arch, 256, seed=3, layers=3)
+    reference = run_rounds(model, lean=False, hidden_layers=(0, 1, 3)) + run_single_row(model, lean=False)
+    monkeypatch.setattr("dspark.lean_forward.transformers_kernels", lambda device: True)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        calls.append((attn_mask is None, is_causal, q.shape[1] == k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    got = run_rounds(model, lean=True, hidden_layers=(0, 1, 3)) + run_single_row(model, lean=True)
+    for ref, out in zip(reference, got, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    kinds = set(calls)
+    assert (False, False, True) in kinds, "masked attention must see expanded KV heads"
+    assert (True, True, False) in kinds, "a one-row prefill runs causal SDPA without a mask"
+    assert (True, False, False) in kinds, "a one-row, one-token step runs SDPA without a mask"
+    assert not any(not maskless and not same_heads for maskless, _, same_heads in calls)
+
+
+def test_engine_greedy_with_transformers_kernels(tiny_llama, monkeypatch):
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.generator import DSparkGenerator
+    from tests.test_lossless_greedy import CHEAP_VERIFY, hf_greedy, ragged_prompts
+    from dspark.schedulers import DSparkScheduler
+
+    prompts = ragged_prompts(5, seed=2)
+    expected = [hf_greedy(tiny_llama, p, 16) for p in prompts]
+    monkeypatch.setattr("dspark.lean_forward.transformers_kernels", lambda device: True)
+    taken = []
+    maskless = ModelRunner._maskless
+    monkeypatch.setattr(ModelRunner, "_maskless", staticmethod(lambda blocks, cache: taken.append(maskless(blocks, cache)) or taken[-1]))
+    for batch, scheduler in ((1, "ar"), (1, DSparkScheduler(cost=CHEAP_VERIFY)), (3, DSparkScheduler(cost=CHEAP_VERIFY))):
+        gen = DSparkGenerator(tiny_llama, NgramDrafter(), scheduler, max_batch_size=batch)
+        assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=16)] == expected
+    assert {(True, True), (True, False), (False, False)} <= set(taken), "every attention path must run"
