@@ -115,6 +115,12 @@ def test_compare_rows_match_outputs(report):
         assert run["tokens_per_s"] == pytest.approx(run["output_tokens"] / run["wall_s"])
         ar = next(r for r in runs if r["method"] == "ar" and r["batch_size"] == run["batch_size"])
         assert run["speedup_vs_ar"] == pytest.approx(run["tokens_per_s"] / ar["tokens_per_s"])
+        # utilisation while this run's items ran: NVML on a GPU, this process's CPU use always
+        assert run["cpu_util_mean"] > 0
+        if torch.cuda.is_available():
+            assert 0.0 <= run["gpu_util_mean"] <= 1.0
+        else:
+            assert run["gpu_util_mean"] is None
         # quality: against hf and against the references (4 of the 6 prompts have one)
         assert run["rouge_l_vs_hf"] == pytest.approx(np.mean([ref_rouge(o["text"], hf[o["prompt_id"]]["text"]) for o in mine]))
         assert run["bleu_vs_hf"] == pytest.approx(ref_bleu([o["text"] for o in mine], [hf[o["prompt_id"]]["text"] for o in mine]))

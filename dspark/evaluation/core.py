@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from dspark.evaluation.quality import corpus_bleu, mean, rouge_l
 from dspark.generator import DSparkGenerator
+from dspark.hardware import UtilizationReport, UtilizationSampler
 from dspark.metrics import RequestStats, aggregate, percentile
 from dspark.models import TargetModel
 from dspark.sampling import SamplingParams
@@ -215,6 +216,25 @@ class Run:
     scenario: str = "default"
     phase: str = "compare"
     seed_index: int | None = None
+    # utilisation while this run's items ran, weighted by their wall time (NVML on CUDA)
+    gpu_util_s: float = 0.0
+    gpu_sampled_s: float = 0.0
+    cpu_util_s: float = 0.0
+    cpu_sampled_s: float = 0.0
+
+    def add_usage(self, wall: float, usage: UtilizationReport) -> None:
+        if usage.gpu_util_mean is not None:
+            self.gpu_util_s += usage.gpu_util_mean * wall
+            self.gpu_sampled_s += wall
+        if usage.cpu_util_mean is not None:
+            self.cpu_util_s += usage.cpu_util_mean * wall
+            self.cpu_sampled_s += wall
+
+    def usage(self) -> dict:
+        return {
+            "gpu_util_mean": self.gpu_util_s / self.gpu_sampled_s if self.gpu_sampled_s > 0 else None,
+            "cpu_util_mean": self.cpu_util_s / self.cpu_sampled_s if self.cpu_sampled_s > 0 else None,
+        }
 
 
 def run_benchmark(
@@ -249,6 +269,7 @@ def run_benchmark(
                 batch = [encoded[i] for i in chunk]
                 seeds = [None if sampling.greedy else seed + i for i in chunk]
                 tag = dict(scenario=scenario, phase=phase, seed_index=seed_index)
+                sampler = UtilizationSampler(interval_s=0.1, device=target.device).start()
                 t0 = time.perf_counter()
                 if m in HF_METHODS:
                     res = hf_generate(target, batch, max_new_tokens, m == "hf-pld", sampling, seeds[0], timed=True)
@@ -272,6 +293,7 @@ def run_benchmark(
                         for i, r, s in zip(chunk, res, seeds)
                     ]
                 by_method[m].wall_s += wall
+                by_method[m].add_usage(wall, sampler.stop())
                 by_method[m].outputs.extend(outs)
                 if progress:
                     progress(m)
@@ -376,6 +398,7 @@ def summarise(runs: list[Run], references: dict[str, str] | None = None) -> list
         if run.seed_index is not None:
             row["seed_index"] = run.seed_index
         row.update(_summary(run.outputs, run.wall_s, ref, None))
+        row.update(run.usage())
         row.update(quality_summary(run.outputs, hf_text, references))
         if hf:
             hf_tps = sum(len(o.token_ids) for o in hf.outputs) / hf.wall_s if hf.wall_s > 0 else 0.0

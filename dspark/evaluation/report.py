@@ -75,6 +75,8 @@ RESULTS_COLUMNS = [
     ("BLEU vs ref", "bleu_vs_reference", ".2f"),
     ("p50 s", "p50_latency_s", ".3f"),
     ("p99 s", "p99_latency_s", ".3f"),
+    ("CPU util", "cpu_util_mean", "%"),
+    ("GPU util", "gpu_util_mean", "%"),
 ]
 
 CATEGORY_COLUMNS = [
