@@ -25,7 +25,7 @@ from dspark.drafters.base import DraftRequest, Drafter, VerifyOutcome
 from dspark.metrics import RequestStats
 from dspark.models import TargetModel
 from dspark.runner import ModelRunner
-from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.sampling import SamplingParams, greedy_tokens, probs_from_logits
 from dspark.schedulers import Scheduler
 from dspark.tree import DraftTree, top_survival_nodes
 from dspark.verify import verify_greedy, verify_sampling
@@ -106,7 +106,7 @@ class SpeculativeEngine:
         fresh, hidden, logits = self.runner.prefill_with_logits([r.prompt_ids for r in new])
         self.runner.cache.append_rows(fresh)
         logits = logits[:, : self.vocab]
-        argmax = logits.argmax(-1).tolist()
+        argmax = greedy_tokens(logits).tolist()
         t_first = time.perf_counter()
         for b, req in enumerate(new):
             req.t_admit = now
@@ -194,7 +194,7 @@ class SpeculativeEngine:
         out = self.runner.forward_block(blocks)
         logits = out.logits[..., : self.vocab]
         greedy_rows = [i for i, (r, _) in enumerate(active) if r.sampling.greedy]
-        argmax = logits.argmax(-1).tolist() if greedy_rows else None
+        argmax = greedy_tokens(logits).tolist() if greedy_rows else None
         verdicts = []
         for i, ((req, dreq), tree) in enumerate(zip(active, trees)):
             if req.sampling.greedy:

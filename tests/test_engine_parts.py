@@ -301,3 +301,14 @@ def test_the_first_token_comes_from_the_prefill_and_one_token_requests_need_no_r
     assert [r.token_ids[:1] for r in longer] == [r.token_ids for r in one]
     assert all(r.stats.rounds == 0 and r.finish_reason == "length" for r in one)
     assert all(r.stats.rounds >= 1 for r in longer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_pick_the_first_maximum_like_argmax(dtype):
+    from dspark.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, 5, 300), generator=g).to(dtype)  # many ties per row
+    logits[0, 0, [7, 9]] = 10.0  # an exact tie at the top: the first wins
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[0, 0] == 7
