@@ -1,8 +1,9 @@
 # Dataflow worker image for `python -m pipelines.generate --runner DataflowRunner`.
 #
-#   docker build -t REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0 \
-#       --build-arg BEAM_VERSION=$(python -c 'import apache_beam; print(apache_beam.__version__)') .
-#   docker push REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0
+#   docker build -t REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0-py3.11 \
+#       --build-arg BEAM_VERSION=$(python -c 'import apache_beam; print(apache_beam.__version__)') \
+#       --build-arg PYTHON_VERSION=$(python -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') .
+#   docker push REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0-py3.11
 #
 # BEAM_VERSION and PYTHON_VERSION must equal the launcher's (Dataflow refuses or misbehaves
 # otherwise). The Beam SDK's boot entrypoint comes from the official SDK image of that version;
