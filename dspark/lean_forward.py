@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.sdpa_attention import repeat_kv  # what transformers' SDPA path runs
 
 from dspark.kv import SlotCache
 
@@ -78,14 +79,6 @@ def transformers_kernels(device: torch.device) -> bool:
     the fused RMSNorm rounds differently, so bfloat16 greedy outputs would drift from
     transformers' for no speed gain. There the lean path takes transformers' choices."""
     return device.type != "cpu"
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, Hkv, S, dh] -> [B, Hkv * n_rep, S, dh], each KV head repeated for its query group."""
-    if n_rep == 1:
-        return x
-    b, hk, s, dh = x.shape
-    return x[:, :, None].expand(b, hk, n_rep, s, dh).reshape(b, hk * n_rep, s, dh)
 
 
 def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from dspark.cost_model import measure_batch_costs
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
-from dspark.drafters.union import UnionDrafter
-from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
 from dspark.generator import DSparkGenerator
 from dspark.hardware import UtilizationProbe, UtilizationSampler
 from dspark.models import load_model, wrap_model
-from dspark.sampling import SamplingParams, probs_from_logits
 from dspark.schedulers import DSparkScheduler, FixedLength
-from tests.conftest import tiny_model, word_tokenizer
+from tests.conftest import tiny_model
 from tests.test_lossless_greedy import CHEAP_VERIFY, SCHEDULERS, hf_greedy, ragged_prompts, scheduler
-from tests.test_lossless_sampling import assert_follows
+from tests.test_lossless_sampling import DRAFTER_KINDS, check_engine_sampling, small_vocab_target_on
 
 DEVICE = torch.device(os.environ.get("DSPARK_TEST_ACCELERATOR", "cuda"))
 ON_GPU = DEVICE.type == "cuda"
@@ -85,55 +81,10 @@ def test_continuous_batching(targets):
     assert [r.token_ids for r in gen.generate(prompts, max_new_tokens=24)] == expected
 
 
-# --- sampling: chi-square against the exact two-token distribution, as in test_lossless_sampling
-VOCAB = 8
-
-
-def exact_two_token_distribution(model, prompt: list[int]) -> np.ndarray:
-    """P(t1, t2 | prompt) from the model directly, [VOCAB, VOCAB]."""
-    params = SamplingParams(temperature=1.0)
-    with torch.no_grad():
-        p1 = probs_from_logits(model(torch.tensor([prompt], device=DEVICE)).logits[0, -1], params).cpu()
-        p2 = [probs_from_logits(model(torch.tensor([prompt + [t]], device=DEVICE)).logits[0, -1], params).cpu() for t in range(VOCAB)]
-    return np.stack([(p1[t] * p2[t]).double().numpy() for t in range(VOCAB)])
-
-
-def reduced_vocab_dspark_drafter(target) -> DSparkDrafter:
-    """As in test_lossless_sampling: a random DSpark drafter proposing 4 of the 8 tokens, on the device."""
-    torch.manual_seed(5)
-    cfg = DSparkConfig.for_target(target.model.config, num_layers=1, context_len=4, gamma=3, markov_rank=4)
-    model = build_model(cfg, target.model)
-    with torch.no_grad():
-        model.markov_w2.normal_()
-    return DSparkDrafter(model.to(DEVICE), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]))
-
-
-@pytest.mark.parametrize("drafter_kind", ["ngram-tree", "draft-model", "dspark-reduced-vocab", "dspark+ngram"])
+# --- sampling: the chi-square checks of test_lossless_sampling, with the target on the device
+@pytest.mark.parametrize("drafter_kind", DRAFTER_KINDS)
 def test_sampling_matches_target_in_batches(drafter_kind):
-    tok = word_tokenizer(VOCAB)
-    model = tiny_model("llama", VOCAB, seed=3, hidden=32, layers=2, eos=None)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    target = wrap_model(model.to(DEVICE), tok, "tiny-8")
-    if drafter_kind == "draft-model":
-        draft = wrap_model(tiny_model("llama", VOCAB, seed=11, hidden=32, layers=1, eos=None).to(DEVICE), tok, "d")
-        drafter = DraftModelDrafter(draft, target)
-    elif drafter_kind == "dspark-reduced-vocab":
-        drafter = reduced_vocab_dspark_drafter(target)
-    elif drafter_kind == "dspark+ngram":
-        drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
-    else:
-        drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes a tree
-    n = 3000
-    results = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32).generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1234)
-    joint = np.zeros((VOCAB, VOCAB))
-    for r in results:
-        joint[r.token_ids[0], r.token_ids[1]] += 1
-    expected = exact_two_token_distribution(target.model, prompt)
-    assert_follows(joint.sum(1), expected.sum(1), "first token")
-    assert_follows(joint.ravel(), expected.ravel(), "token pairs")
-    assert sum(r.stats.accepted for r in results) > 0.1 * n, "drafts must be accepted often enough to matter"
+    check_engine_sampling(small_vocab_target_on(DEVICE), drafter_kind)
 
 
 # --- the embedded target --------------------------------------------------------------------
