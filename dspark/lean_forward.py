@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv  # what transformers' SDPA path runs
 
+from dspark.attention import decoding_sdpa
 from dspark.kv import SlotCache
 
 # model_type -> decoder layers follow Llama's forward (Qwen2 adds q/k/v biases, handled by the
@@ -148,6 +149,10 @@ class LeanDecoder:
         len(logits_positions) or W) and the hidden states of `hidden_layers` [B, W, d] each,
         indexed like transformers' `output_hidden_states` (0 = embeddings, i = after layer i,
         num_layers = after the final norm)."""
+        with decoding_sdpa(ids.device):
+            return self._forward(ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal)
+
+    def _forward(self, ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal):
         b, w = ids.shape
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.inner.embed_tokens(ids)  # [B, W, d]

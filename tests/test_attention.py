@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.attention import ATTN_IMPLEMENTATION
+from dspark.attention import ATTN_IMPLEMENTATION, decoding_sdpa
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
@@ -59,3 +59,15 @@ def test_engine_on_dspark_sdpa_equals_transformers_greedy(smol_tokenizer, monkey
     results = DSparkGenerator(fast, NgramDrafter(), "fixed:4", max_batch_size=3).generate(prompts, max_new_tokens=16)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.verified for r in results) > 0
+
+
+def test_decoding_sdpa_keeps_cuda_attention_off_cudnn_and_leaves_cpu_alone():
+    """cuDNN's SDPA plans are per shape and decoding changes the key length every step."""
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+    with decoding_sdpa(torch.device("cuda")):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == before
+    with decoding_sdpa(torch.device("cpu")):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == before

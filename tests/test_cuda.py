@@ -132,6 +132,29 @@ def test_embedded_bf16_plain_decoding_equals_transformers_greedy():
     assert [r.token_ids for r in results] == expected
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoding_never_runs_cudnn_attention(arch, targets, references):
+    """Neither the engine nor `generate` on a dspark-loaded model (dspark_sdpa) builds cuDNN SDPA
+    plans: the key length changes every step (dspark.attention.decoding_sdpa)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark.attention import ATTN_IMPLEMENTATION
+
+    target = targets[arch]
+    previous = target.model.config._attn_implementation
+    target.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    prompts, expected = references[arch]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_GPU else [])
+    try:
+        with profile(activities=activities) as prof:
+            results = DSparkGenerator(target, NgramDrafter(), FixedLength(2), max_batch_size=3).generate(prompts[:3], max_new_tokens=12)
+            hf_greedy(target, prompts[0], 12)
+    finally:
+        target.model.set_attn_implementation(previous)
+    assert [r.token_ids for r in results] == [e[:12] for e in expected[:3]]
+    assert not [e.key for e in prof.key_averages() if "cudnn_attention" in e.key]
+
+
 # --- readings ---------------------------------------------------------------------------------
 def test_gpu_readings_come_from_nvml(targets):
     gen = DSparkGenerator(targets["llama"], NgramDrafter(), FixedLength(2), max_batch_size=8)
