@@ -13,10 +13,17 @@ SmolLM2-135M forward (30 layers and the LM head, weights streamed from memory) t
 
 MKL's small-row kernels stay at the cost of reading the weights up to 3 rows, then fall off a
 cliff; oneDNN with the weights reordered once into its blocked layout is flat from 1 to 8 rows
-but pays ~20% more at the bottom. `PackedLinear` keeps both: the plain weight for calls of
-up to `MKL_MAX_ROWS` rows (autoregressive decoding, and verify rounds of one or two draft
-tokens at batch size 1, keep MKL's speed) and a packed copy for the rest. The cost is a
-second copy of each packed weight in memory.
+but pays ~20% more at the bottom. On another 2-core AMD EPYC (session 22) oneDNN won at every
+row count, 1 row included:
+
+    rows                      1     2     3     4     8    16
+    MKL, 2 threads         30.7  46.4  57.3  47.8  44.0  52.7
+    oneDNN packed, 2 thr.  21.5  23.9  24.5  27.6  30.3  42.3
+
+So `PackedLinear` keeps both: the plain weight for calls of up to `mkl_max_rows` rows and a
+packed copy for the rest, where `mkl_max_rows` (0 to 3) is measured once per machine on the
+model's own layers (`measure_mkl_max_rows`) and cached. The cost is a second copy of each
+packed weight in memory.
 
 Only the kernel changes, not the arithmetic asked for: results agree with `F.linear` to
 float rounding, the same way MKL's own results depend on the row count.
@@ -29,17 +36,25 @@ a long-running job's memory stays flat instead of growing with each new row coun
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from dspark.hardware import cpu_model
 
 LOG = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; 8-16 is the width of a typical verify round.
 PACK_ROWS_HINT = 16
-# Up to this many rows MKL's kernels beat the packed ones (table above; both thread counts).
-MKL_MAX_ROWS = 3
+# MKL's kernels can beat the packed ones only up to this many rows (tables above); how many it
+# does beat them for is measured per machine.
+MKL_CANDIDATE_ROWS = 3
 # Above this many rows (prefill) MKL is as fast, and every new row count would cost a kernel.
 PACKED_MAX_ROWS = 128
 
@@ -47,7 +62,7 @@ PACKED_MAX_ROWS = 128
 def padded_rows(rows: int) -> int:
     """The bucket a call's row count is padded to: exact up to 8 (each row costs ~1.5 ms there
     for SmolLM2-135M, so padding 5 rows to 8 would waste ~5 ms a round), then multiples of 4
-    up to 32, then of 16: 17 buckets from MKL_MAX_ROWS + 1 to PACKED_MAX_ROWS."""
+    up to 32, then of 16: at most 20 buckets from mkl_max_rows + 1 to PACKED_MAX_ROWS."""
     if rows <= 8:
         return rows
     step = 4 if rows <= 32 else 16
@@ -72,8 +87,9 @@ class PackedLinear(nn.Module):
     inference-only modules, never ones being trained.
     """
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = PACK_ROWS_HINT) -> None:
+    def __init__(self, linear: nn.Linear, rows_hint: int = PACK_ROWS_HINT, mkl_max_rows: int = MKL_CANDIDATE_ROWS) -> None:
         super().__init__()
+        self.mkl_max_rows = mkl_max_rows  # calls of up to this many rows use the plain weight (MKL)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -82,7 +98,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not MKL_MAX_ROWS < rows <= PACKED_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if not self.mkl_max_rows < rows <= PACKED_MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features)
         pad = padded_rows(rows) - rows
@@ -96,11 +112,14 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def pack_linear_layers(model: nn.Module, rows_hint: int = PACK_ROWS_HINT) -> int:
+def pack_linear_layers(
+    model: nn.Module, rows_hint: int = PACK_ROWS_HINT, mkl_max_rows: int | None = None, cache_dir: Path | None = None
+) -> int:
     """Swap every `nn.Linear` in `model` for a `PackedLinear`, in place; returns how many.
 
     Call on a loaded inference model whose weights will not change. A no-op when oneDNN
-    packing is unavailable for the model's device and dtype.
+    packing is unavailable for the model's device and dtype. mkl_max_rows: None measures it on
+    the model's layers (`measure_mkl_max_rows`; cached under `cache_dir` when given).
     """
     p = next(model.parameters())
     if not packing_available(p.device, p.dtype):
@@ -114,15 +133,19 @@ def pack_linear_layers(model: nn.Module, rows_hint: int = PACK_ROWS_HINT) -> int
     packed = [PackedLinear(child, rows_hint) for _, _, child in swaps]
     for (parent, name, _), layer in zip(swaps, packed):
         setattr(parent, name, layer)
+    if mkl_max_rows is None:
+        mkl_max_rows = cached_mkl_max_rows(packed, cache_dir)
+    for layer in packed:
+        layer.mkl_max_rows = mkl_max_rows
     build_kernels(packed)
     extra = sum(child.weight.numel() for _, _, child in swaps) * p.element_size()
     LOG.info("Packed %d linear layers for oneDNN (%.0f MB extra memory)", len(swaps), extra / 2**20)
     return len(swaps)
 
 
-def row_buckets() -> list[int]:
+def row_buckets(mkl_max_rows: int = 0) -> list[int]:
     """Every padded row count a packed call can use."""
-    return sorted({padded_rows(r) for r in range(MKL_MAX_ROWS + 1, PACKED_MAX_ROWS + 1)})
+    return sorted({padded_rows(r) for r in range(mkl_max_rows + 1, PACKED_MAX_ROWS + 1)})
 
 
 @torch.no_grad()
@@ -133,9 +156,70 @@ def build_kernels(layers: list[PackedLinear]) -> None:
     for layer in layers:
         shapes.setdefault((layer.in_features, layer.out_features, layer.bias is not None), layer)
     for layer in shapes.values():
-        for rows in row_buckets():
+        for rows in row_buckets(layer.mkl_max_rows):
             layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
 
 
 def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def packed_mkl_max_rows(model: nn.Module) -> int | None:
+    """The MKL/oneDNN crossover a packed model runs with (None: not packed)."""
+    return next((m.mkl_max_rows for m in model.modules() if isinstance(m, PackedLinear)), None)
+
+
+def leading_mkl_wins(mkl_s: list[float], packed_s: list[float]) -> int:
+    """How many row counts, from 1 up, MKL is at least as fast for without a loss in between:
+    the largest r with mkl_s[i] <= packed_s[i] for every i < r."""
+    wins = 0
+    for mkl, packed in zip(mkl_s, packed_s):
+        if mkl > packed:
+            break
+        wins += 1
+    return wins
+
+
+@torch.no_grad()
+def measure_mkl_max_rows(layers: list[PackedLinear], reps: int = 3) -> int:
+    """Time one pass over every layer (the weights streamed from memory, as in a forward) with
+    each kernel for 1..MKL_CANDIDATE_ROWS rows, interleaved, fastest of `reps`; returns
+    `leading_mkl_wins` of those times."""
+    counts = range(1, MKL_CANDIDATE_ROWS + 1)
+    inputs = {r: {layer.in_features: torch.zeros(r, layer.in_features) for layer in layers} for r in counts}
+    best = {(r, kernel): float("inf") for r in counts for kernel in ("mkl", "packed")}
+    for _ in range(reps):
+        for r in counts:
+            for kernel in ("mkl", "packed"):
+                t0 = time.perf_counter()
+                for layer in layers:
+                    x = inputs[r][layer.in_features]
+                    if kernel == "mkl":
+                        nn.functional.linear(x, layer.weight, layer.bias)
+                    else:
+                        torch.ops.mkldnn._linear_pointwise(x, layer._packed, layer.bias, "none", [], "")
+                best[r, kernel] = min(best[r, kernel], time.perf_counter() - t0)
+    mkl_max_rows = leading_mkl_wins([best[r, "mkl"] for r in counts], [best[r, "packed"] for r in counts])
+    LOG.info("MKL vs oneDNN, ms per pass by rows: %s -> MKL up to %d rows",
+             {r: (round(1e3 * best[r, "mkl"], 1), round(1e3 * best[r, "packed"], 1)) for r in counts}, mkl_max_rows)
+    return mkl_max_rows
+
+
+def cached_mkl_max_rows(layers: list[PackedLinear], cache_dir: Path | None) -> int:
+    """`measure_mkl_max_rows`, once per CPU, thread count, torch version and layer shapes: the
+    kernel choice shifts float rounding, so a machine keeps the one it measured first."""
+    if cache_dir is None:
+        return measure_mkl_max_rows(layers)
+    shapes = sorted({(layer.in_features, layer.out_features, layer.bias is not None) for layer in layers})
+    blob = f"{cpu_model()}|{torch.get_num_threads()}|{torch.__version__}|{len(layers)}|{shapes}"
+    path = Path(cache_dir) / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+    try:
+        return int(json.loads(path.read_text())["mkl_max_rows"])
+    except (OSError, ValueError, KeyError):
+        pass
+    value = measure_mkl_max_rows(layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"mkl_max_rows": value, "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}))
+    os.replace(tmp, path)
+    return value

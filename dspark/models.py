@@ -239,7 +239,7 @@ def load_model(
     model.to(dev).eval()
     model.requires_grad_(False)
     if pack_weights is not False:
-        pack_linear_layers(model)
+        pack_linear_layers(model, cache_dir=cache_root() / "kernels")
     return TargetModel(model=model, tokenizer=tokenizer, name=display, device=dev, dtype=dt)
 
 

@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.cpu_matmul import MKL_MAX_ROWS, PackedLinear, is_packed, pack_linear_layers, packing_available
+import dspark.cpu_matmul as cpu_matmul
+from dspark.cpu_matmul import (
+    MKL_CANDIDATE_ROWS,
+    PackedLinear,
+    is_packed,
+    leading_mkl_wins,
+    pack_linear_layers,
+    packed_mkl_max_rows,
+    packing_available,
+)
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator
 from dspark.models import load_model, wrap_model
@@ -25,14 +34,56 @@ pytestmark = pytest.mark.skipif(
 def test_packed_linear_matches_linear(bias, shape):
     torch.manual_seed(0)
     linear = nn.Linear(48, 80, bias=bias)
-    packed = PackedLinear(linear)
     x = torch.randn(*shape)
     expected = linear(x)
-    got = packed(x)
-    assert got.shape == expected.shape == (*shape[:-1], 80)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if x.numel() // 48 <= MKL_MAX_ROWS:  # a few rows keep the plain kernel, bit for bit
-        assert torch.equal(got, expected)
+    for mkl_max_rows in range(MKL_CANDIDATE_ROWS + 1):
+        got = PackedLinear(linear, mkl_max_rows=mkl_max_rows)(x)
+        assert got.shape == expected.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if x.numel() // 48 <= mkl_max_rows:  # a few rows keep the plain kernel, bit for bit
+            assert torch.equal(got, expected)
+
+
+def ran_onednn(layer: nn.Module, x: torch.Tensor) -> bool:
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        layer(x)
+    return any("_linear_pointwise" in e.key for e in prof.key_averages())
+
+
+def test_mkl_max_rows_decides_which_kernel_a_call_takes():
+    linear = nn.Linear(48, 80)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 48)
+        assert ran_onednn(PackedLinear(linear, mkl_max_rows=0), x)
+        assert ran_onednn(PackedLinear(linear, mkl_max_rows=3), x) == (rows > 3)
+    assert not ran_onednn(linear, torch.randn(4, 48))
+
+
+def test_leading_mkl_wins_counts_row_counts_up_to_the_first_loss():
+    assert leading_mkl_wins([20.8, 21.6, 23.3], [25.6, 27.1, 27.7]) == 3  # the EPYC of sessions 1-19
+    assert leading_mkl_wins([30.7, 46.4, 57.3], [21.5, 23.9, 24.5]) == 0  # the EPYC of session 22
+    assert leading_mkl_wins([20.0, 30.0, 20.0], [25.0, 25.0, 25.0]) == 1  # no win after a loss
+    assert leading_mkl_wins([25.0, 25.0, 30.0], [25.0, 25.0, 25.0]) == 2  # ties keep MKL
+
+
+def test_the_crossover_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    first = tiny_model("llama", 300, seed=0)
+    pack_linear_layers(first, cache_dir=tmp_path)
+    measured = packed_mkl_max_rows(first)
+    assert 0 <= measured <= MKL_CANDIDATE_ROWS
+    assert {m.mkl_max_rows for m in first.modules() if isinstance(m, PackedLinear)} == {measured}
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_second_measurement(layers, reps=3):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_matmul, "measure_mkl_max_rows", no_second_measurement)
+    second = tiny_model("llama", 300, seed=1)
+    pack_linear_layers(second, cache_dir=tmp_path)
+    assert packed_mkl_max_rows(second) == measured
+    third = tiny_model("llama", 300, seed=2)
+    pack_linear_layers(third, mkl_max_rows=2)  # an explicit choice measures nothing
+    assert packed_mkl_max_rows(third) == 2
 
 
 def test_packed_linear_falls_back_when_training():
