@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default: 128; overrides presets)")
     g.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each prompt file")
     g.add_argument("--categories", default=None, help="only prompts of these categories/domains (comma-separated)")
+    g.add_argument("--split", default=None, choices=["train", "calib", "eval"],
+                   help="only prompts of this split of the drafter's training data (by a hash of the id; applied before --limit)")
     g.add_argument("--config", default=None, help="YAML file whose keys are these flags (flags override it)")
     g.add_argument("--target", default=None, help="smollm2-135m-instruct (embedded), a model directory or a .gguf file")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"], help="default: auto (bfloat16 on GPUs and bf16-capable CPUs, else float32)")
@@ -126,6 +128,7 @@ DEFAULTS = {
     "max_new_tokens": None,  # None: the presets' values, else 128
     "limit": None,
     "categories": None,
+    "split": None,
     "target": "smollm2-135m-instruct",
     "dtype": "auto",
     "device": "auto",
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in _csv(args.batch_sizes)]
     categories = _csv(args.categories) if args.categories else None
     scenarios = scenarios_from(args)
-    prompts = {sc.name: load_prompt_files(sc.prompts, args.limit, categories) for sc in scenarios}
+    prompts = {sc.name: load_prompt_files(sc.prompts, args.limit, categories, args.split) for sc in scenarios}
     by_name = {sc.name: sc for sc in scenarios}
     references = {p.id: p.reference for ps in prompts.values() for p in ps if p.reference}
 
@@ -292,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         return DSparkGenerator(target, d, sched, max_batch_size=batch_size)
 
     # --- prompt sets of the optional phases -------------------------------------------------
-    sample_prompts = load_prompt_files(sample_sc.prompts, args.sampling_limit or args.limit, categories) if args.seeds else []
-    sweep_prompts = load_prompt_files(sweep_sc.prompts, args.sweep_limit or args.limit, categories) if thresholds else []
+    sample_prompts = load_prompt_files(sample_sc.prompts, args.sampling_limit or args.limit, categories, args.split) if args.seeds else []
+    sweep_prompts = load_prompt_files(sweep_sc.prompts, args.sweep_limit or args.limit, categories, args.split) if thresholds else []
     load_limit = args.load_limit or (-(-max(load_bs) // len(sweep_sc.prompts)) if load_bs else None)
-    load_prompts_ = load_prompt_files(sweep_sc.prompts, load_limit, categories) if load_bs else []
+    load_prompts_ = load_prompt_files(sweep_sc.prompts, load_limit, categories, args.split) if load_bs else []
     sample_bs = args.sampling_batch_size or batch_sizes[0]
     sample_mnt = args.sampling_max_new_tokens or sample_sc.max_new_tokens
     soak_bs = args.soak_batch_size or max(batch_sizes)

@@ -376,3 +376,21 @@ def test_a_failing_phase_is_reported_and_the_rest_still_runs(report):
     assert "PromptError" in res["failures"][0]["error"]
     assert len(res["runs"]) == 2 and res["soak"]["requests"] >= 2 and not res["threshold_sweep"]
     assert "## Failed phases" in (out / "report.md").read_text()
+
+
+def test_split_keeps_the_drafters_held_out_prompts_before_the_limit(tmp_path):
+    """--split eval picks the prompts the DSpark drafter never trained on (split_of by id),
+    then --limit takes the first N of those per file; a file with none is skipped."""
+    from dspark.training.data import split_of
+
+    ids = [f"q{i}" for i in range(200)]
+    held_out = [i for i in ids if split_of(i) == "eval"]
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"id": i, "turns": [f"prompt {i}"]}) + "\n" for i in ids))
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"id": i, "turns": [f"prompt {i}"]}) + "\n" for i in ids if split_of(i) == "train"))
+    got = load_prompt_files([a, b], limit=3, split="eval")
+    assert [p.id for p in got] == held_out[:3]
+    assert len(load_prompt_files([a], split="eval")) == len(held_out) < len(ids)
+    with pytest.raises(ValueError, match="split must be one of"):
+        load_prompt_files([a], split="test")

@@ -32,6 +32,7 @@ from dspark.hardware import UtilizationReport, UtilizationSampler
 from dspark.metrics import RequestStats, aggregate, percentile
 from dspark.models import TargetModel
 from dspark.sampling import SamplingParams
+from dspark.training.data import SPLITS, split_of
 
 HF_METHODS = ("hf", "hf-pld")
 
@@ -68,9 +69,15 @@ class Output:
         return (self.latency_s - self.ttft_s) / (len(self.token_ids) - 1)
 
 
-def load_prompts(path: str | Path, limit: int | None = None, categories: Sequence[str] | None = None) -> list[PromptRecord]:
+def load_prompts(
+    path: str | Path, limit: int | None = None, categories: Sequence[str] | None = None, split: str | None = None
+) -> list[PromptRecord]:
     """JSON Lines in the `turns` format (first turn is the user message; `category` or
-    `domain` optional) or Parquet with id/text (or prompt/turns) and category/domain columns."""
+    `domain` optional) or Parquet with id/text (or prompt/turns) and category/domain columns.
+    split: keep only ids in that split of the drafter's training data (train, calib or eval;
+    `dspark.training.data.split_of`), before `limit`."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
@@ -95,6 +102,8 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: Sequenc
         cat = row.get("category") or row.get("domain") or "all"
         if categories and cat not in categories:
             continue
+        if split is not None and split_of(str(row.get("id", n))) != split:
+            continue
         out.append(PromptRecord(str(row.get("id", n)), text, str(cat), row.get("reference")))
         if limit and len(out) >= limit:
             break
@@ -104,7 +113,7 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: Sequenc
 
 
 def load_prompt_files(
-    paths: Sequence[str | Path], limit: int | None = None, categories: Sequence[str] | None = None
+    paths: Sequence[str | Path], limit: int | None = None, categories: Sequence[str] | None = None, split: str | None = None
 ) -> list[PromptRecord]:
     """Several prompt files in order; `limit` applies per file so every file is represented.
     Ids repeated across files get the file's stem as a prefix."""
@@ -112,10 +121,10 @@ def load_prompt_files(
     seen: set[str] = set()
     for path in paths:
         try:
-            recs = load_prompts(path, limit, categories)
+            recs = load_prompts(path, limit, categories, split)
         except ValueError as e:
-            if categories and "no prompts selected" in str(e):
-                continue  # a category filter may rightly exclude a whole file
+            if (categories or split) and "no prompts selected" in str(e):
+                continue  # a category or split filter may rightly exclude a whole file
             raise
         for r in recs:
             if r.id in seen:
