@@ -104,9 +104,12 @@ class PackedLinear(nn.Module):
         pad = padded_rows(rows) - rows
         if pad:
             x2 = torch.cat([x2, x2.new_zeros(pad, self.in_features)])
+        return self.onednn(x2)[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def onednn(self, x2: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out] on the packed weight, whatever the row count."""
         bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, bias, "none", [], "")  # [padded rows, out]
-        return y[:rows].reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x2, self._packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -197,7 +200,7 @@ def measure_mkl_max_rows(layers: list[PackedLinear], reps: int = 3) -> int:
                     if kernel == "mkl":
                         nn.functional.linear(x, layer.weight, layer.bias)
                     else:
-                        torch.ops.mkldnn._linear_pointwise(x, layer._packed, layer.bias, "none", [], "")
+                        layer.onednn(x)
                 best[r, kernel] = min(best[r, kernel], time.perf_counter() - t0)
     mkl_max_rows = leading_mkl_wins([best[r, "mkl"] for r in counts], [best[r, "packed"] for r in counts])
     LOG.info("MKL vs oneDNN, ms per pass by rows: %s -> MKL up to %d rows",

@@ -14,8 +14,10 @@ and this path lets SDPA group them.
 On other devices (CUDA) it makes transformers' kernel choices instead of the fused CPU ones
 (`transformers_kernels`): on an H200 in bfloat16 the CPU choices gave greedy outputs that
 matched transformers' on 0 of 4 prompts (100% in float32). The likely cause, as transformers'
-own SDPA integration notes, is that grouped SDPA under a mask runs the math kernel on CUDA;
-this policy has not been measured on a GPU yet.
+own SDPA integration notes, is that grouped SDPA under a mask runs the math kernel on CUDA.
+With this policy (H200, session 22) one-row bfloat16 plain decoding equals `generate` on the
+tests' short prompts, but on news articles only on 2 of 6 (first differences at output tokens
+3 to 45): not every kernel difference is accounted for yet.
 Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3
 ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms. In bfloat16 on CPU, blocks of several
 tokens run grouped-query attention with each KV head's queries stacked (`fold_query_groups`,
