@@ -19,9 +19,11 @@ With this policy (H200, session 22) one-row bfloat16 plain decoding equals `gene
 tests' short prompts, but on news articles only on 2 of 6 (first differences at output tokens
 3 to 45): not every kernel difference is accounted for yet.
 Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3
-ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms. In bfloat16 on CPU, blocks of several
-tokens run grouped-query attention with each KV head's queries stacked (`fold_query_groups`,
-bit-identical): 16 rows x 2 tokens 78.4 -> 63.9 ms, 8 rows x 2 tokens 54.9 -> 47.3 ms.
+ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms. On CPU, blocks of several tokens run
+grouped-query attention with each KV head's queries stacked (`fold_query_groups`): in bfloat16
+on that Xeon 16 rows x 2 tokens 78.4 -> 63.9 ms, 8 rows x 2 tokens 54.9 -> 47.3 ms; on a 2-core
+AMD EPYC (AVX2) in float32 attention alone got 1.5-2.3x faster, and a whole 8-row verify round
+over ~800 cached tokens ~20% faster (README, "CPU kernels").
 
 Only architectures whose forward is exactly the above are taken (`lean_support`); anything
 else (other model types, sliding windows, non-SiLU MLPs, non-default attention scaling) keeps
@@ -43,7 +45,8 @@ from dspark.kv import SlotCache
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 # Part of the cost-table cache key: bump when a change here alters what a forward costs.
 # 2: bfloat16 blocks fold query groups on CPU; CUDA takes transformers' kernel choices.
-LEAN_FORWARD_VERSION = 2
+# 3: blocks fold query groups on CPU in every dtype.
+LEAN_FORWARD_VERSION = 3
 
 
 def lean_support(model: nn.Module) -> str | None:
@@ -88,12 +91,16 @@ def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """Grouped-query attention as plain SDPA over each KV head's stacked queries.
 
     The n_rep query heads that share a KV head are stacked along the query axis, [B, Hkv,
-    n_rep * W, dh], and the mask is repeated to match. On CPU in bfloat16 this is the same
-    arithmetic as SDPA's `enable_gqa` for blocks of 2 or more tokens (bit-identical, tested) and
-    about half its time: a 16-row, 2-token block over 512 cached tokens took 0.44 ms per layer
-    against 0.91 on a 2-core Xeon. One-token steps keep `enable_gqa` (its own kernel, other
-    rounding); float32 keeps it too (there folding changes the last bit and is no faster at 2),
-    and so does float16 (not checked)."""
+    n_rep * W, dh], and the mask is repeated to match. Each KV head's keys are then read once
+    per block instead of once per query head. Same arithmetic as SDPA's `enable_gqa`, to the
+    last bit or nearly: bit-identical in bfloat16 on a 2-core Xeon, and on a 2-core AMD EPYC
+    for blocks of 4+ tokens; there 2- and 3-token blocks differ by ~2e-7 in float32 (the
+    kernel's small-query path rounds differently), as one-token steps already differ from
+    transformers' expanded-KV attention. Time per layer for a block of 2 tokens: 16 rows over
+    512 cached tokens in bfloat16 on the Xeon 0.91 -> 0.44 ms; 8 rows over 768 in float32 on
+    the EPYC 1.18 -> 0.59 ms (3 tokens 1.67 -> 0.71, 8 tokens 1.90 -> 1.31). One-token steps
+    keep `enable_gqa`, its own kernel (faster there in float32, and the rounding transformers'
+    one-token steps have, which bfloat16 greedy outputs depend on)."""
     b, h, w, dh = q.shape
     hk = h // n_rep
     folded = mask.expand(b, n_rep, w, mask.shape[-1]).reshape(b, 1, n_rep * w, mask.shape[-1])
@@ -131,7 +138,7 @@ class LeanDecoder:
         n_rep = self.num_heads // self.num_kv_heads
         if mask is not None and grouped and self.transformers_kernels:
             return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
-        if mask is not None and grouped and q.shape[2] > 1 and q.dtype == torch.bfloat16:
+        if mask is not None and grouped and q.shape[2] > 1:
             return fold_query_groups(q, keys, values, mask, n_rep)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped)
 
