@@ -8,9 +8,8 @@ RMSNorm, q/k/v projections, rotary embedding, grouped-query SDPA over the cached
 projection, residual, RMSNorm, SiLU-gated MLP, residual. It calls the model's own modules and
 parameters (nothing is copied or re-packed; biases, rope scaling and packed CPU kernels come
 with them), so its logits match transformers' forward to float rounding: the tests assert it.
-On SmolLM2 they are bit-identical for multi-token blocks in float32 and bfloat16; one-token
-steps differ by ~1e-5 in float32, where transformers expands the KV heads before attention
-and this path lets SDPA group them.
+On SmolLM2 in float32 they differ by ~1e-5: one-token steps let SDPA group the KV heads where
+transformers expands them, and blocks of several tokens fold query groups (`fold_query_groups`).
 On other devices (CUDA) it makes transformers' kernel choices instead of the fused CPU ones
 (`transformers_kernels`): on an H200 in bfloat16 the CPU choices gave greedy outputs that
 matched transformers' on 0 of 4 prompts (100% in float32). The likely cause, as transformers'
