@@ -21,8 +21,9 @@ Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token
 ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms. On CPU, blocks of several tokens run
 grouped-query attention with each KV head's queries stacked (`fold_query_groups`): in bfloat16
 on that Xeon 16 rows x 2 tokens 78.4 -> 63.9 ms, 8 rows x 2 tokens 54.9 -> 47.3 ms; on a 2-core
-AMD EPYC (AVX2) in float32 attention alone got 1.5-2.3x faster, and a whole 8-row verify round
-over ~800 cached tokens ~20% faster (README, "CPU kernels").
+AMD EPYC (AVX2) in float32 attention alone got 1.5-2.3x faster, and a whole forward of 8 rows
+x 2 / 3 / 4 tokens over 768 cached tokens 7-8% faster (133.5 / 154.9 / 164.0 -> 123.5 / 141.9
+/ 153.0 ms; 16 rows x 2 tokens 207.7 -> 185.7; README, "CPU kernels").
 
 Only architectures whose forward is exactly the above are taken (`lean_support`); anything
 else (other model types, sliding windows, non-SiLU MLPs, non-default attention scaling) keeps
