@@ -450,14 +450,16 @@ def main(argv: list[str] | None = None) -> int:
 
     first = results["runs"]
     table = Table(title=f"{target.name} {results['settings']['dtype']} on {results['settings']['device']}")
-    for col in ("scenario", "method", "batch", "tok/s", "vs hf", "same as hf", "tau", "accept", "correct", "p50 s", "p99 s"):
+    for col in ("scenario", "method", "batch", "tok/s", "vs hf", "vs ar", "same as hf", "tau", "accept", "correct", "p50 s", "p99 s"):
         table.add_column(col, justify="right")
     f = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     for r in first:
         table.add_row(r["scenario"], r["method"], str(r["batch_size"]), f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
-                      f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),
+                      f(r.get("speedup_vs_ar"), ".2f"), f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),
                       f(r["correction_rate"], ".0%"), f(r["p50_latency_s"], ".2f"), f(r["p99_latency_s"], ".2f"))
-    Console().print(table)
+    stdout = Console()
+    # a log file is not a terminal: rich would wrap to 80 columns and cut the method names
+    (stdout if stdout.is_terminal else Console(width=200)).print(table)
     console.print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {out / 'outputs.jsonl'}")
     if failures:
         console.print(f"[red]{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)[/red]")

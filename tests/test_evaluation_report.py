@@ -3,6 +3,8 @@ results.json and report.md recomputed from outputs.jsonl, the prompt files and t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -89,17 +91,27 @@ def report(tmp_path_factory, smol_tokenizer):
         "--thresholds", "0.5,0.7,0.9", "--sweep-limit", "1", "--load-batch-sizes", "1,4", "--load-methods", "ar,fixed:2,fixed:4,dspark",
         "--sweep-max-new-tokens", "6", "--soak-minutes", "0.02", "--sample-interval", "0.2",
     ]
-    assert evaluate.main(argv) == 0
+    printed = io.StringIO()  # stdout as a log file sees it: not a terminal
+    with contextlib.redirect_stdout(printed):
+        assert evaluate.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     refs = {p.id: p.reference for p in load_prompt_files(files) if p.reference}
     methods = ["hf", "ar", "fixed:2@ngram", f"fixed:2@{dm}", f"dspark@{dm}"]
-    return {"dm": dm, "methods": methods, "target": target, "tmp": tmp, "files": files, "dir": out, "results": results, "outputs": outputs, "refs": refs, "argv": argv, "md": (out / "report.md").read_text()}
+    return {"dm": dm, "methods": methods, "target": target, "tmp": tmp, "files": files, "dir": out, "results": results, "outputs": outputs, "refs": refs, "argv": argv, "md": (out / "report.md").read_text(),
+            "stdout": printed.getvalue()}
 
 
 def _mine(outputs, phase, method, bs, seed_index=None):
     return [o for o in outputs if o["phase"] == phase and o["method"] == method and o["batch_size"] == bs
             and o["seed_index"] == seed_index]
+
+
+def test_summary_table_reaches_a_log_file_uncut(report):
+    # rich wraps a non-terminal at 80 columns, which cut method names to "fix…"
+    header = next(line for line in report["stdout"].splitlines() if "tok/s" in line)
+    assert "vs ar" in header and "same as hf" in header
+    assert "fixed:2@ngram" in report["stdout"]
 
 
 def test_compare_rows_match_outputs(report):
