@@ -47,6 +47,11 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # 2: bfloat16 blocks fold query groups on CPU; CUDA takes transformers' kernel choices.
 # 3: blocks fold query groups on CPU in every dtype.
 LEAN_FORWARD_VERSION = 3
+# Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
+# verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
+# SDPA: there the two cost about the same, and copying the mask for every query head made an
+# 8-row, 512-token prefill's attention 20% slower (float32, 2-core EPYC).
+FOLD_MAX_TOKENS = 64
 
 
 def lean_support(model: nn.Module) -> str | None:
@@ -139,7 +144,7 @@ class LeanDecoder:
         n_rep = self.num_heads // self.num_kv_heads
         if mask is not None and grouped and self.transformers_kernels:
             return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
-        if mask is not None and grouped and q.shape[2] > 1:
+        if mask is not None and grouped and 1 < q.shape[2] <= FOLD_MAX_TOKENS:
             return fold_query_groups(q, keys, values, mask, n_rep)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped)
 

@@ -164,8 +164,22 @@ def test_cpu_blocks_fold_query_groups(monkeypatch, dtype):
     monkeypatch.setattr(lf, "fold_query_groups", lambda *a: calls.append(a[0].shape[2]) or fold(*a))
     folded = run_rounds(model, lean=True, hidden_layers=(1, 3))
     assert calls and min(calls) >= 2, "multi-token blocks must take the folded path, one-token steps must not"
+    assert 40 in calls, "a prompt of up to FOLD_MAX_TOKENS tokens folds too"
     monkeypatch.setattr(lf, "fold_query_groups", lambda q, k, v, m, r: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
     grouped = run_rounds(model, lean=True, hidden_layers=(1, 3))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for a, b in zip(folded, grouped, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_long_blocks_keep_grouped_sdpa(monkeypatch):
+    """Prefills longer than FOLD_MAX_TOKENS keep grouped SDPA (folding copies the mask per query
+    head and gains nothing there); verify-sized blocks still fold."""
+    import dspark.lean_forward as lf
+
+    monkeypatch.setattr(lf, "FOLD_MAX_TOKENS", 4)
+    calls = []
+    fold = lf.fold_query_groups
+    monkeypatch.setattr(lf, "fold_query_groups", lambda *a: calls.append(a[0].shape[2]) or fold(*a))
+    run_rounds(tiny_model("llama", 256, seed=3, layers=3), lean=True, hidden_layers=(1,))
+    assert calls and set(calls) <= {2, 3, 4}, calls
