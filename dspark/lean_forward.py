@@ -85,11 +85,11 @@ def transformers_kernels(device: torch.device) -> bool:
     """Whether to run the ops transformers runs rather than the faster equivalents.
 
     On CPU the fused RMSNorm and grouped-query SDPA under a mask are bit-identical to
-    transformers' ops (tested), and faster; folded query groups for multi-token blocks are
-    equal to float rounding (`fold_query_groups`), and faster still. On CUDA they are not the same kernels: grouped SDPA
-    with a mask falls back to the math kernel (transformers expands the KV heads instead), and
-    the fused RMSNorm rounds differently, so bfloat16 greedy outputs would drift from
-    transformers' for no speed gain. There the lean path takes transformers' choices."""
+    transformers' ops (tested), and faster; folded query groups for verify blocks are equal to
+    float rounding (`fold_query_groups`), and faster still. On CUDA they are not the same
+    kernels: grouped SDPA with a mask falls back to the math kernel (transformers expands the KV
+    heads instead), and the fused RMSNorm rounds differently, so bfloat16 greedy outputs would
+    drift from transformers' for no speed gain. There the lean path takes transformers' choices."""
     return device.type != "cpu"
 
 

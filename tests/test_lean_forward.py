@@ -151,9 +151,9 @@ def test_engine_greedy_with_transformers_kernels(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_blocks_fold_query_groups(monkeypatch, dtype):
-    """CPU: blocks of 2+ tokens run grouped-query attention as plain SDPA over each KV head's
-    stacked queries (faster); one-token steps keep SDPA's own `enable_gqa`. The result is
-    SDPA's `enable_gqa` to float rounding (bit for bit on some CPUs and block sizes)."""
+    """CPU: blocks of 2 to FOLD_MAX_TOKENS tokens run grouped-query attention as plain SDPA
+    over each KV head's stacked queries (faster); one-token steps keep SDPA's own `enable_gqa`.
+    The result is SDPA's `enable_gqa` to float rounding (bit for bit on some CPUs and sizes)."""
     import torch.nn.functional as F
 
     import dspark.lean_forward as lf
