@@ -160,6 +160,7 @@ def stage_train(
 ) -> None:
     from dspark.dspark_drafter import build_model
     from dspark.dspark_drafter.checkpoint import warm_start
+    from dspark.dspark_drafter.vocab import read_draft_vocab, save_draft_vocab
     from dspark.training.cache import CacheReader
     from dspark.training.trainer import TrainConfig, train
 
@@ -175,9 +176,13 @@ def stage_train(
             log(f"train: resuming the run in {state_dir(cfg, work)}; --init-from {init_from} applies to fresh runs only")
         else:
             ck = warm_start(model, init_from, target)
+            state_dir(cfg, work).mkdir(parents=True, exist_ok=True)
+            if tcfg.reduced_vocab and ck.draft_vocab is not None and read_draft_vocab(state_dir(cfg, work), target.vocab_size) is None:
+                # its weights were trained over that vocabulary: keep it (see run_vocabulary)
+                save_draft_vocab(state_dir(cfg, work), ck.draft_vocab)
+                log(f"train: over the draft vocabulary of {init_from} ({len(ck.draft_vocab)} tokens)")
             before = {k: (ck.extra.get("training") or {}).get(k) for k in ("steps", "wall_s", "cpu_hours", "train_sequences")}
             # the calibrate stage copies this into the card: the cost of a warm start includes its source's
-            state_dir(cfg, work).mkdir(parents=True, exist_ok=True)
             (state_dir(cfg, work) / "init_from.json").write_text(json.dumps({"checkpoint": str(init_from), **before}, indent=1))
             log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")
     n_train = len(rd.rows)
@@ -201,8 +206,9 @@ def stage_train(
 
 def run_vocabulary(cfg: dict, target, work: Path, log: Logger):
     """The reduced draft vocabulary a `train.reduced_vocab` run trains over: chosen from the
-    train answers when the run starts and kept in its state folder, so a resumed run (or a
-    growing cache) does not move it, and the calibrate stage ships the same set."""
+    train answers when the run starts (or taken from the `--init-from` checkpoint) and kept in
+    its state folder, so a resumed run (or a growing cache) does not move it, and the
+    calibrate stage ships the same set."""
     from dspark.dspark_drafter.vocab import read_draft_vocab, save_draft_vocab
 
     folder = state_dir(cfg, work)

@@ -89,6 +89,46 @@ def test_block_forward_shapes(target):
     assert model.block_inputs(torch.tensor([4])).shape == (1, g, d)
 
 
+def reference_layer(layer, x, ctx, valid, start, theta):
+    """One draft layer as the method describes it, written plainly: keys/values =
+    [K(H_ctx); K(block)], RoPE at positions start-N..start+G-1, every query head reading its KV
+    head (repeat_interleave), bidirectional block, padded context masked."""
+    from dspark.dspark_drafter.model import apply_rope, rope_cos_sin
+
+    b, g, n = x.shape[0], x.shape[1], ctx.shape[1]
+    hn = layer.input_norm(x)
+    both = torch.cat([ctx, hn], dim=1)
+    cos, sin = rope_cos_sin(torch.arange(start - n, start + g), layer.hd, theta)
+    q = apply_rope(layer._heads(layer.q_proj(hn), layer.h), cos[n:], sin[n:])
+    k = apply_rope(layer._heads(layer.k_proj(both), layer.kv), cos, sin).repeat_interleave(layer.h // layer.kv, dim=1)
+    v = layer._heads(layer.v_proj(both), layer.kv).repeat_interleave(layer.h // layer.kv, dim=1)
+    mask = torch.cat([valid, torch.ones(b, g, dtype=torch.bool)], dim=1)[:, None, None, :]
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    x = x + layer.o_proj(a.transpose(1, 2).reshape(b, g, -1))
+    hn = layer.post_norm(x)
+    return x + layer.down_proj(torch.nn.functional.silu(layer.gate_proj(hn)) * layer.up_proj(hn))
+
+
+def test_block_forward_equals_the_plain_reference(target):
+    """Folded query heads, keys rotated once per context position and anchors at any position
+    compute exactly the plain layer."""
+    model = make_model(target)
+    ctx, valid = rand_ctx(model)
+    anchors = torch.tensor([4, 5, 6])
+    with torch.no_grad():
+        x = model.block_inputs(anchors)
+        for layer in model.layers:
+            x = reference_layer(layer, x, ctx, valid, model.cfg.context_len, model.cfg.rope_theta)
+        expected = model.final_norm(x)
+        h, _ = model.backbone(ctx, valid, anchors)
+        torch.testing.assert_close(h, expected, atol=1e-5, rtol=1e-5)
+        # the run-time frame: keys rotated at their sequence positions, anchors at 40, 41, 42
+        kv = [model.context_kv(ctx[i : i + 1], start=40 + i - model.cfg.context_len) for i in range(3)]
+        kv = [tuple(torch.cat([kv[i][l][j] for i in range(3)]) for j in range(2)) for l in range(len(model.layers))]
+        h2, _ = model.backbone_kv(kv, valid, anchors, block_pos=torch.tensor([40, 41, 42]))
+        torch.testing.assert_close(h2, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_context_injection_matters_and_padding_is_ignored(target):
     model = make_model(target)
     ctx, valid = rand_ctx(model)
@@ -349,13 +389,23 @@ def fake_hidden(drafter, n, seed=0):
 def test_plugin_lifecycle_and_chain(target):
     drafter = DSparkDrafter(make_model(target), options=DrafterOptions(branch_width=1), eos_token_ids=[])
     req = DraftRequest(0, [5, 6, 7, 8], SamplingParams())
-    drafter.start(req, fake_hidden(drafter, 3))
-    assert req.state["ctx"].shape == (3, drafter.cfg.hidden_size)
+    first, later = fake_hidden(drafter, 3), fake_hidden(drafter, 10, seed=1)
+    drafter.start(req, first)
+    kv_cols = drafter.cfg.num_kv_heads * drafter.cfg.head_dim
+    assert [tuple(t.shape) for t in req.state["ctx_kv"][0]] == [(3, kv_cols)] * 2
     (tree,) = drafter.propose([req], max_depth=4)
     tree.validate(96)
     assert len(tree) == 4 and tree.is_chain() and all(q is None for q in tree.q)
-    drafter.observe(req, VerifyOutcome(0, tree, [0], 9, hidden=fake_hidden(drafter, 10, seed=1)))
-    assert req.state["ctx"].shape == (drafter.cfg.context_len, drafter.cfg.hidden_size)  # trimmed to N
+    drafter.observe(req, VerifyOutcome(0, tree, [0], 9, hidden=later))
+    # keys/values of the last N committed positions, each projected once as it arrived
+    n = drafter.cfg.context_len
+    feats = torch.cat([torch.cat([a, b]) for a, b in zip(first, later)], dim=-1)[-n:]
+    with torch.no_grad():  # keys rotated at their positions in the sequence (13 - n .. 12)
+        expected = drafter.model.context_kv(drafter.model.project_context(feats), start=13 - n)
+    assert req.state["ctx_end"] == 13
+    for (k, v), (k_ref, v_ref) in zip(req.state["ctx_kv"], expected):
+        torch.testing.assert_close(k, k_ref)
+        torch.testing.assert_close(v, v_ref)
     assert drafter.propose([req], max_depth=0)[0].tokens == []
     assert len(drafter.propose([req], max_depth=50)[0]) == drafter.cfg.gamma  # capped at gamma
     drafter.finish(req)
@@ -462,11 +512,14 @@ def test_reduced_vocab_drafts_the_masked_chain(target):
     subset = torch.tensor([3, 10, 11, 40, 41, 42, 77, 90])
     drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset)
     req = DraftRequest(0, [5, 6, 7], SamplingParams())
-    drafter.start(req, fake_hidden(drafter, 4))
+    hidden = fake_hidden(drafter, 4)
+    drafter.start(req, hidden)
     (tree,) = drafter.propose([req], 5)
     tree.validate(96)
     assert set(tree.tokens) <= set(subset.tolist())
-    ctx, valid = drafter._batch_context([req])
+    with torch.no_grad():
+        ctx = model.project_context(torch.cat(hidden, dim=-1))[None]  # [1, 4, d]
+    valid = torch.ones(1, 4, dtype=torch.bool)
     assert tree.tokens == masked_greedy_chain(model, ctx, valid, torch.tensor([7]), subset, 5)
     # the whole vocabulary as the "subset" drafts exactly what the full drafter drafts
     everything = DSparkDrafter(model, eos_token_ids=[], draft_vocab=torch.arange(96))

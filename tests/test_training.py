@@ -138,14 +138,41 @@ def test_anchors_and_batch_layout(cache_dir):
     assert full[-1] == info.length - 5
     row = CacheReader.row(rd.load_shard(0), 0)
     a = anchors[-1]
-    b = make_batch([row, row], [anchors[0], a], gamma=4, context_len=6)
-    assert b.ctx_feats.shape == (2, 6, row["feats"].shape[1]) and b.tokens.shape == (2, 5)
+    b = make_batch([(row, [anchors[0], a])], gamma=4, context_len=6)
+    # one context row for the sequence, from the first block's window to the last anchor
+    lo = max(0, anchors[0] - 6)
+    assert b.ctx_feats.shape == (1, a - lo, row["feats"].shape[1]) and b.tokens.shape == (2, 5)
+    torch.testing.assert_close(b.ctx_feats[0], row["feats"][lo:a])
+    assert b.ctx_index.tolist() == [0, 0] and b.block_pos.tolist() == [anchors[0] - lo, a - lo]
     assert b.valid[1].tolist() == [True, False, False, False]  # block runs past the end
     assert b.tokens[0].tolist() == row["tokens"][anchors[0] : anchors[0] + 5].tolist()
-    # context = the positions right before the anchor, right-aligned
-    k = min(6, anchors[0])
-    assert b.ctx_valid[0].sum() == k
-    torch.testing.assert_close(b.ctx_feats[0, 6 - k :], row["feats"][anchors[0] - k : anchors[0]])
+    # each block sees the context_len positions right before its own anchor
+    for i, anchor in enumerate([anchors[0], a]):
+        seen = torch.nonzero(b.ctx_valid[i]).flatten() + lo
+        assert seen.tolist() == list(range(max(0, anchor - 6), anchor))
+
+
+def test_blocks_sharing_a_context_row_see_what_they_would_see_alone(cache_dir, target):
+    """Grouping a sequence's anchors (one context projection) changes nothing a block computes."""
+    from dspark.training.trainer import ShardPool, forward_batch, load_batch
+
+    torch.manual_seed(0)
+    model = build_model(drafter_cfg(target), target.model)
+    with torch.no_grad():
+        model.markov_w2.normal_(std=0.5)
+        model.conf_head.weight.normal_()
+    rd = CacheReader(cache_dir)
+    pool = ShardPool(rd, 2)
+    items = [(r, a) for r in (0, 1) for a in anchors_for(rd.rows[r], 4, 3)]
+    together = load_batch(pool, items, 4, 6)
+    assert together.ctx_feats.shape[0] == 2 and together.tokens.shape[0] == len(items)
+    logits, conf = forward_batch(model, together, autocast=False)
+    for i, item in enumerate(items):
+        alone = load_batch(pool, [item], 4, 6)
+        assert alone.ctx_feats.shape[1] <= 6
+        l1, c1 = forward_batch(model, alone, autocast=False)
+        torch.testing.assert_close(logits[i], l1[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(conf[i], c1[0], atol=1e-4, rtol=1e-4)
 
 
 def test_training_is_deterministic_and_resumes_exactly(cache_dir, target, tmp_path):
@@ -229,7 +256,7 @@ def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
     batch = load_batch(ShardPool(rd, 1), [(2, a)], 4, 6)
     with torch.no_grad():
         ctx = model.project_context(batch.ctx_feats)
-        out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
+        out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
         toks, conf = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0])
     drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[])
     req = DraftRequest(0, row["tokens"][: a + 1].tolist(), SamplingParams())
@@ -311,6 +338,19 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     other = build_model(drafter_cfg(target, markov_rank=8), target.model)
     with pytest.raises(ValueError, match="markov_rank: 16 there, 8 here"):
         warm_start(other, tmp_path / "ck", target)
+    wider = build_model(drafter_cfg(target, context_len=64), target.model)  # a window, not a weight shape
+    warm_start(wider, tmp_path / "ck", target)
+    torch.testing.assert_close(wider.state_dict(), source.state_dict())
+
+    # a reduced-vocabulary run started from a checkpoint keeps the vocabulary it was trained over
+    from dspark.dspark_drafter.vocab import read_draft_vocab, save_draft_vocab
+
+    ids = torch.tensor([0, 3, 5, 7, 11, 13])
+    save_draft_vocab(tmp_path / "ck", ids)
+    cfg["train"]["reduced_vocab"] = True
+    cfg["run"] = "reduced"
+    stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
+    assert read_draft_vocab(work / "runs" / "reduced", target.vocab_size).tolist() == ids.tolist()
 
 
 def test_a_reduced_vocabulary_run_keeps_its_vocabulary_through_calibration(cache_dir, target, tmp_path):

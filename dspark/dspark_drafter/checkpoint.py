@@ -151,13 +151,16 @@ def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
 
 def warm_start(model: DSparkModel, path: str | Path, target) -> Checkpoint:
     """Copy a checkpoint's trained weights into `model` (built for training, same architecture,
-    same target) so that training continues from it instead of from random weights: more data
-    or more steps without paying again for the steps already done. Calibration temperatures
+    same target; the context window may differ) so that training continues from it instead of
+    from random weights: more data, more steps or a wider context without paying again for the
+    steps already done. Calibration temperatures
     are not carried over; the calibrate stage fits new ones."""
     ck = read_checkpoint(path)
     check_fingerprint(ck.target, target, where=str(path))
     mine, theirs = model.cfg.to_dict(), ck.config.to_dict()
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    # context_len is how many committed positions a block may attend to, not a weight shape:
+    # a run may widen it (the attention then learns to use the farther positions)
+    differ = sorted(k for k in set(mine) | set(theirs) if k != "context_len" and mine.get(k) != theirs.get(k))
     if differ:
         detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
         raise ValueError(f"{path}: cannot warm-start from a different drafter architecture ({detail})")

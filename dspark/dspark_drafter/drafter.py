@@ -1,9 +1,11 @@
 """The DSpark drafter as an engine plug-in (`dspark.drafters.base.Drafter` protocol).
 
-Per request, `request.state["ctx"]` holds H_ctx [<=N, d]: the projected target states of the
-last N committed tokens (token_ids[:-1]; the anchor token_ids[-1] is not in the target cache
-yet). `start` fills it from the prompt's states; `observe` appends the states of the tokens
-committed in the round.
+Per request, `request.state["ctx_kv"]` holds, for every drafter layer, the context keys and
+values [<=N, KV*D] of the last N committed tokens (token_ids[:-1]; the anchor token_ids[-1]
+is not in the target cache yet), keys rotated at their positions in the sequence:
+each committed position is projected once (W_c, the layer's K/V projections, RoPE), not once
+per round; `request.state["ctx_end"]` counts the positions seen, i.e. the anchor's position.
+`start` fills them from the prompt's states; `observe` appends the tokens committed in the round.
 
 `propose` runs ONE batched backbone forward for all requests, then walks the Markov head left
 to right:
@@ -75,15 +77,19 @@ class DSparkDrafter(DrafterBase):
         if not hidden or hidden[0].shape[0] == 0:
             return
         feats = torch.cat([h.to(self.device) for h in hidden], dim=-1)  # [n, m*d_t]
-        n = self.cfg.context_len
-        with torch.no_grad():
-            new = self.model.project_context(feats[-n:])  # [<=N, d]
-        old = request.state.get("ctx")
-        ctx = new if old is None else torch.cat([old, new], dim=0)
-        request.state["ctx"] = ctx[-n:]
+        n, end = self.cfg.context_len, request.state.get("ctx_end", 0)
+        keep = feats[-n:]
+        with torch.no_grad():  # per layer ([<=N, KV*D], same), at positions end + ... in the sequence
+            new = self.model.context_kv(self.model.project_context(keep), start=end + feats.shape[0] - keep.shape[0])
+        old = request.state.get("ctx_kv")
+        if old is not None:
+            new = [(torch.cat([k0, k1])[-n:], torch.cat([v0, v1])[-n:]) for (k0, v0), (k1, v1) in zip(old, new)]
+        request.state["ctx_kv"] = new
+        request.state["ctx_end"] = end + feats.shape[0]
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        request.state.pop("ctx", None)  # the engine keeps its own keys here (e.g. "generator")
+        request.state.pop("ctx_kv", None)
+        request.state.pop("ctx_end", None)  # the engine keeps its own keys here (e.g. "generator")
         self._append_context(request, prompt_hidden)
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
@@ -94,27 +100,35 @@ class DSparkDrafter(DrafterBase):
 
     # ------------------------------------------------------------- drafting
 
-    def _batch_context(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-aligned context [B, N, d] and its validity [B, N]."""
-        n, d = self.cfg.context_len, self.cfg.hidden_size
+    def _batch_context(self, requests: list[DraftRequest]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """Every layer's context keys/values, right-aligned [B, W, KV*D], their validity [B, W]
+        and each anchor's position [B]; W is the longest context in the batch (at most N), not
+        N: short contexts attend over their own length."""
+        kvs = [r.state.get("ctx_kv") for r in requests]
+        width = max([kv[0][0].shape[0] for kv in kvs if kv is not None] + [1])
+        num_layers, cols = len(self.model.layers), self.model.layers[0].k_proj.out_features
         dtype = self.model.mask_embed.dtype
-        ctx = torch.zeros(len(requests), n, d, dtype=dtype, device=self.device)
-        valid = torch.zeros(len(requests), n, dtype=torch.bool, device=self.device)
-        for b, r in enumerate(requests):
-            c = r.state.get("ctx")
-            if c is not None and c.shape[0]:
-                ctx[b, n - c.shape[0] :] = c
-                valid[b, n - c.shape[0] :] = True
-        return ctx, valid
+        out = [tuple(torch.zeros(len(requests), width, cols, dtype=dtype, device=self.device) for _ in range(2)) for _ in range(num_layers)]
+        valid = torch.zeros(len(requests), width, dtype=torch.bool, device=self.device)
+        block_pos = torch.tensor([r.state.get("ctx_end", 0) for r in requests], dtype=torch.long, device=self.device)
+        for b, kv in enumerate(kvs):
+            if kv is None or kv[0][0].shape[0] == 0:
+                continue
+            m = kv[0][0].shape[0]
+            valid[b, width - m :] = True
+            for (k_all, v_all), (k, v) in zip(out, kv):
+                k_all[b, width - m :] = k
+                v_all[b, width - m :] = v
+        return out, valid, block_pos
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest], max_depth: int) -> list[DraftTree]:
         depth = min(int(max_depth), self.cfg.gamma)
         if depth <= 0 or not requests:
             return [DraftTree() for _ in requests]
-        ctx, valid = self._batch_context(requests)
+        ctx_kv, valid, block_pos = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
-        h, conf_h = self.model.backbone(ctx, valid, anchors, depth)  # [B, depth, d], [B, depth]
+        h, conf_h = self.model.backbone_kv(ctx_kv, valid, anchors, depth, block_pos=block_pos)  # [B, depth, d], [B, depth]
         base_logits = self.vocab.logits(h)  # [B, depth, Vd]
         trees = [DraftTree() for _ in requests]
         greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]

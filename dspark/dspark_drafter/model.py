@@ -186,26 +186,39 @@ class DraftLayer(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, n, self.hd).transpose(1, 2)  # [B, n, S, D]
 
+    def context_kv(self, ctx: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """H_ctx [..., N, d] and cos/sin [N, D] of its positions -> this layer's context keys
+        (RoPE applied) and values, [..., N, KV*D] each. They depend on the context alone, so
+        the run-time drafter keeps them per request and projects each committed position once."""
+        k = self.k_proj(ctx).unflatten(-1, (self.kv, self.hd))  # [..., N, KV, D]
+        k = apply_rope(k, rope[0][:, None, :], rope[1][:, None, :])
+        return k.flatten(-2), self.v_proj(ctx)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, G, d]
-        ctx: torch.Tensor,  # [B, N, d] H_ctx (already normed)
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],  # [S, N, KV*D] each: S context rows shared by the B blocks
         mask: torch.Tensor,  # [B, 1, G, N+G] bool
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [N+G, D]
+        rope_blk: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, 1, G, D] of each block's positions
+        ctx_index: torch.Tensor | None = None,  # [B] block -> its context row (None: S == B, in order)
     ) -> torch.Tensor:
-        g, n = x.shape[1], ctx.shape[1]
-        hn = self.input_norm(x)
-        both = torch.cat([ctx, hn], dim=1)  # [B, N+G, d]: context enters keys/values only
-        q = self._heads(self.q_proj(hn), self.h)  # [B, H, G, D]
-        k = self._heads(self.k_proj(both), self.kv)  # [B, KV, N+G, D]
-        v = self._heads(self.v_proj(both), self.kv)
-        cos, sin = rope
-        q = apply_rope(q, cos[n:], sin[n:])
-        k = apply_rope(k, cos, sin)
+        b, g = x.shape[:2]
         rep = self.h // self.kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, G, D]
-        x = x + self.o_proj(a.transpose(1, 2).reshape(x.shape[0], g, self.h * self.hd))
+        hn = self.input_norm(x)
+        q = apply_rope(self._heads(self.q_proj(hn), self.h), *rope_blk)  # [B, H, G, D]
+        k = apply_rope(self._heads(self.k_proj(hn), self.kv), *rope_blk)  # [B, KV, G, D]
+        v = self._heads(self.v_proj(hn), self.kv)
+        # context enters keys/values only, each context row once, then shared by its blocks
+        k_ctx, v_ctx = (t.to(x.dtype).unflatten(-1, (self.kv, self.hd)).transpose(-3, -2) for t in ctx_kv)  # [S, KV, N, D]
+        if ctx_index is not None:
+            k_ctx, v_ctx = k_ctx[ctx_index], v_ctx[ctx_index]  # [B, KV, N, D]
+        k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)  # [B, KV, N+G, D]
+        # every query of a block sees the same keys, so the `rep` query heads of a KV head fold
+        # into one [rep*G]-row attention: no copy of the keys/values per query head
+        q = q.reshape(b, self.kv, rep * g, self.hd)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :1])  # [B, KV, rep*G, D]
+        a = a.reshape(b, self.h, g, self.hd)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, g, self.h * self.hd))
         hn = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
 
@@ -278,29 +291,70 @@ class DSparkModel(nn.Module):
         mask = self.mask_embed[None, None, :].expand(b, g - 1, -1)
         return torch.cat([emb[:, None, :], mask], dim=1)
 
-    def backbone(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ctx [B, N, d] projected context (right-aligned, oldest first), ctx_valid [B, N],
-        anchor [B] -> final-normed states h [B, G', d] and conf_h [B, G'] for block positions
-        1..G' (G' = depth or G): everything but the vocabulary-sized heads."""
-        g, n = self.cfg.gamma, ctx.shape[1]
+    def backbone(
+        self,
+        ctx: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: int | None = None,
+        ctx_index: torch.Tensor | None = None,
+        block_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [S, N, d] projected context, ctx_valid [B, N] (what block b may see), anchor [B]
+        -> final-normed states h [B, G', d] and conf_h [B, G'] for block positions 1..G'
+        (G' = depth or G): everything but the vocabulary-sized heads.
+
+        Positions: context slot j sits at position j and block b's anchor at block_pos[b]
+        (None: N, i.e. each block owns a right-aligned window, as at run time). RoPE is
+        relative, so only the distances matter. ctx_index [B] lets many blocks share one
+        context row (training: several anchors of one sequence, its context projected once)."""
+        return self.backbone_kv(self.context_kv(ctx), ctx_valid, anchor, depth, ctx_index, block_pos)
+
+    def context_kv(self, ctx: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """H_ctx [..., N, d] at positions start..start+N-1 -> every layer's context keys (RoPE
+        applied) and values [..., N, KV*D] (see DraftLayer.context_kv)."""
+        ctx = ctx.to(self.mask_embed.dtype)
+        pos = torch.arange(start, start + ctx.shape[-2], device=ctx.device)
+        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)  # [N, D]
+        return [layer.context_kv(ctx, rope) for layer in self.layers]
+
+    def backbone_kv(
+        self,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_valid: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: int | None = None,
+        ctx_index: torch.Tensor | None = None,
+        block_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`backbone` from each layer's context keys/values [S, N, KV*D] (`context_kv`);
+        block_pos in the positions those keys were rotated at (None: N, for `context_kv(ctx)`)."""
+        b, g, n = anchor.shape[0], self.cfg.gamma, ctx_kv[0][0].shape[1]
         x = self.block_inputs(anchor)
-        # Positions: context 0..N-1, anchor N, masks N+1..; RoPE is relative so the absolute
-        # offset in the real sequence does not matter.
-        pos = torch.arange(n + g, device=x.device)
-        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        dev = x.device
+        start = torch.full((b,), n, device=dev) if block_pos is None else block_pos.to(dev)
+        cos, sin = rope_cos_sin((start[:, None] + torch.arange(g, device=dev)).reshape(-1), self.cfg.head_dim, self.cfg.rope_theta)
+        rope_blk = cos.view(b, 1, g, -1), sin.view(b, 1, g, -1)  # [B, 1, G, D]
         mask = block_attention_mask(ctx_valid, g)
-        ctx = ctx.to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, mask, rope)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, kv, mask, rope_blk, ctx_index)
         h = self.final_norm(x)[:, : depth or g]  # [B, G', d]
         d = self.cfg.hidden_size
         conf_h = (h @ self.conf_head.weight[0, :d].to(h.dtype)).float() + self.conf_head.bias.float()  # [B, G']
         return h, conf_h
 
-    def forward_block(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor, depth: int | None = None) -> BlockOutput:
+    def forward_block(
+        self,
+        ctx: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: int | None = None,
+        ctx_index: torch.Tensor | None = None,
+        block_pos: torch.Tensor | None = None,
+    ) -> BlockOutput:
         """`backbone` plus base logits over the whole vocabulary (logits only for the first
         `depth` positions: the LM head is most of the drafter's cost)."""
-        h, conf_h = self.backbone(ctx, ctx_valid, anchor, depth)
+        h, conf_h = self.backbone(ctx, ctx_valid, anchor, depth, ctx_index, block_pos)
         return BlockOutput(h, self.head_logits(h), conf_h)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -331,7 +385,13 @@ class DSparkModel(nn.Module):
         return conf_h + feat.float() @ self.conf_head.weight[0, d:].float()
 
     def teacher_forced(
-        self, ctx: torch.Tensor, ctx_valid: torch.Tensor, tokens: torch.Tensor, vocab: torch.Tensor | None = None
+        self,
+        ctx: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        tokens: torch.Tensor,
+        vocab: torch.Tensor | None = None,
+        ctx_index: torch.Tensor | None = None,
+        block_pos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training/eval path. tokens [B, G+1] = [anchor, y_1..y_G]; the Markov head and the
         confidence at position k condition on the TRUE previous token y_{k-1} (exactly what
@@ -339,7 +399,7 @@ class DSparkModel(nn.Module):
         Returns draft logits [B, G, V] float32 and confidence logits [B, G]. With `vocab`
         (sorted token ids, the reduced draft vocabulary) the logits are [B, G, Vd], column i
         scoring token vocab[i]: the distribution the drafter samples from at run time."""
-        h, conf_h = self.backbone(ctx, ctx_valid, tokens[:, 0])
+        h, conf_h = self.backbone(ctx, ctx_valid, tokens[:, 0], None, ctx_index, block_pos)
         feat = self.markov_features(tokens[:, :-1])  # [B, G, r]
         if vocab is None:
             logits = self.head_logits(h) + self.markov_bias(feat)

@@ -204,34 +204,45 @@ def anchors_for(info: RowInfo, gamma: int, stride: int, offset: int = 0, full_bl
 
 @dataclass
 class Batch:
-    ctx_feats: torch.Tensor  # [B, N, m*d_t] bf16, right-aligned
-    ctx_valid: torch.Tensor  # [B, N] bool
+    ctx_feats: torch.Tensor  # [S, L, m*d_t] bf16: one context row per sequence, left-aligned
+    ctx_valid: torch.Tensor  # [B, L] bool: the context positions block b may see
     tokens: torch.Tensor  # [B, G+1] anchor, y_1..y_G
     final: torch.Tensor  # [B, G, d_t] bf16: target final states predicting y_1..y_G
     valid: torch.Tensor  # [B, G] bool
+    ctx_index: torch.Tensor  # [B] long: block b's context row
+    block_pos: torch.Tensor  # [B] long: position of block b's anchor in its context row
 
 
-def make_batch(rows: list[dict[str, torch.Tensor]], anchors: list[int], gamma: int, context_len: int) -> Batch:
-    """Assemble training blocks: row i anchored at anchors[i]."""
-    b, n = len(rows), context_len
-    md = rows[0]["feats"].shape[1]
-    d = rows[0]["final"].shape[1]
-    ctx = torch.zeros(b, n, md, dtype=torch.bfloat16)
-    ctx_valid = torch.zeros(b, n, dtype=torch.bool)
+def make_batch(groups: list[tuple[dict[str, torch.Tensor], list[int]]], gamma: int, context_len: int) -> Batch:
+    """Training blocks, grouped by sequence: groups = [(row, anchors)]. Each sequence's context
+    is stored once (its positions from the first block's window to the last anchor) and shared
+    by its blocks; block b sees the `context_len` positions right before its anchor.
+
+    Why grouped: projecting the context is most of a step's work, and with a window of a whole
+    prompt (hundreds of positions) per block it would grow with blocks x window; shared, it grows
+    with sequences x length (how DFlash-style drafters train several anchors per sequence)."""
+    md = groups[0][0]["feats"].shape[1]
+    d = groups[0][0]["final"].shape[1]
+    spans = [(max(0, min(anchors) - context_len), max(anchors)) for _, anchors in groups]  # [lo, hi) per row
+    width = max(1, max(hi - lo for lo, hi in spans))
+    b = sum(len(anchors) for _, anchors in groups)
+    ctx = torch.zeros(len(groups), width, md, dtype=torch.bfloat16)
+    ctx_valid = torch.zeros(b, width, dtype=torch.bool)
+    ctx_index = torch.zeros(b, dtype=torch.long)
+    block_pos = torch.zeros(b, dtype=torch.long)
     tokens = torch.zeros(b, gamma + 1, dtype=torch.long)
     final = torch.zeros(b, gamma, d, dtype=torch.bfloat16)
     valid = torch.zeros(b, gamma, dtype=torch.bool)
-    for i, (row, a) in enumerate(zip(rows, anchors)):
-        length = row["tokens"].shape[0]
-        lo = max(0, a - n)
-        c = row["feats"][lo:a]  # context = committed positions before the anchor
-        if c.shape[0]:
-            ctx[i, n - c.shape[0] :] = c
-            ctx_valid[i, n - c.shape[0] :] = True
-        t = row["tokens"][a : a + gamma + 1]
-        tokens[i, : t.shape[0]] = t
-        f = row["final"][a : a + gamma]
-        final[i, : f.shape[0]] = f
-        valid[i, : t.shape[0] - 1] = True
-        del length
-    return Batch(ctx, ctx_valid, tokens, final, valid)
+    i = 0
+    for s, ((row, anchors), (lo, hi)) in enumerate(zip(groups, spans)):
+        ctx[s, : hi - lo] = row["feats"][lo:hi]  # committed positions before the anchors
+        for a in anchors:
+            ctx_valid[i, max(lo, a - context_len) - lo : a - lo] = True
+            ctx_index[i], block_pos[i] = s, a - lo
+            t = row["tokens"][a : a + gamma + 1]
+            tokens[i, : t.shape[0]] = t
+            f = row["final"][a : a + gamma]
+            final[i, : f.shape[0]] = f
+            valid[i, : t.shape[0] - 1] = True
+            i += 1
+    return Batch(ctx, ctx_valid, tokens, final, valid, ctx_index, block_pos)

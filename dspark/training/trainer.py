@@ -36,6 +36,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     anchor_stride: int = 3  # anchors every `stride` answer positions (random phase per epoch)
+    anchors_per_sequence: int = 1  # blocks of one sequence that share a batch (and its context projection)
     shard_window: int = 4
     seed: int = 0
     save_every: int = 200
@@ -75,14 +76,16 @@ def epoch_plan(reader: CacheReader, rows: list[int], gamma: int, cfg: TrainConfi
     shards = sorted(by_shard)
     shards = [shards[i] for i in rng.permutation(len(shards))]
     batches: list[list[tuple[int, int]]] = []
+    per_seq = max(1, cfg.anchors_per_sequence)
     for w in range(0, len(shards), cfg.shard_window):
-        items = []
+        groups: list[list[tuple[int, int]]] = []  # up to per_seq anchors of one row, shuffled
         for s in shards[w : w + cfg.shard_window]:
             for r in by_shard[s]:
                 phase = int(rng.integers(cfg.anchor_stride))
-                items += [(r, a) for a in anchors_for(reader.rows[r], gamma, cfg.anchor_stride, phase)]
-        order = rng.permutation(len(items))
-        items = [items[i] for i in order]
+                anchors = anchors_for(reader.rows[r], gamma, cfg.anchor_stride, phase)
+                anchors = [anchors[i] for i in rng.permutation(len(anchors))]
+                groups += [[(r, a) for a in anchors[j : j + per_seq]] for j in range(0, len(anchors), per_seq)]
+        items = [item for i in rng.permutation(len(groups)) for item in groups[i]]
         batches += [items[i : i + cfg.batch_size] for i in range(0, len(items), cfg.batch_size)]
     return batches
 
@@ -104,8 +107,18 @@ class ShardPool:
         return CacheReader.row(shard, info.row)
 
 
+def group_by_row(items: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """(row, anchor) items -> [(row, its anchors)] in order of first appearance: the order of
+    the blocks in the Batch that `load_batch` builds."""
+    by_row: dict[int, list[int]] = {}
+    for r, a in items:
+        by_row.setdefault(r, []).append(a)
+    return list(by_row.items())
+
+
 def load_batch(pool: ShardPool, items: list[tuple[int, int]], gamma: int, context_len: int) -> Batch:
-    return make_batch([pool.row(r) for r, _ in items], [a for _, a in items], gamma, context_len)
+    """(row, anchor) items -> a Batch in which the anchors of one row share its context."""
+    return make_batch([(pool.row(r), anchors) for r, anchors in group_by_row(items)], gamma, context_len)
 
 
 # ------------------------------------------------------------------ steps
@@ -120,7 +133,7 @@ def target_logits(model: DSparkModel, final: torch.Tensor) -> torch.Tensor:
 def forward_batch(model: DSparkModel, batch: Batch, autocast: bool, vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ctx = model.project_context(batch.ctx_feats)
-        logits, conf = model.teacher_forced(ctx, batch.ctx_valid, batch.tokens, vocab)
+        logits, conf = model.teacher_forced(ctx, batch.ctx_valid, batch.tokens, vocab, batch.ctx_index, batch.block_pos)
     return logits.float(), conf.float()
 
 
@@ -199,7 +212,7 @@ def evaluate(
         batch = load_batch(pool, chunk, g, n)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ctx = model.project_context(batch.ctx_feats)
-            out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0])
+            out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
         if forbid is not None:
             out.base_logits = out.base_logits + forbid  # [B, G, V]
         tl = target_logits(model, batch.final)
@@ -209,7 +222,7 @@ def evaluate(
         feat = model.markov_features(batch.tokens[:, :-1]) if markov else None
         tf = (out.base_logits + model.markov_bias(feat)).float()  # teacher forced
         l1s.append((tf.softmax(-1) - tl.softmax(-1)).abs().sum(-1).numpy())
-        doms += [reader.rows[r].domain for r, _ in chunk]
+        doms += [reader.rows[r].domain for r, anchors in group_by_row(chunk) for _ in anchors]
     model.train(was_training)
     if not acc:
         z = np.zeros((0, g))
