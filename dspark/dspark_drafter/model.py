@@ -8,6 +8,9 @@ One forward drafts a whole block of gamma tokens after the anchor:
     output  h_k (k = 1..gamma) and base logits U_k = LMHead(h_k)  (shared + frozen)
 
 Block position k-1 predicts draft token x_k (position 0 holds the anchor and predicts x_1).
+The context's keys and values depend on the context alone (`context_kv`): training projects
+each sequence's context once for all its blocks, and the run-time drafter once per committed
+position, so a window of N positions costs attention, not N projections per block.
 
 Markov head: p_k(v) ∝ exp(U_k(v) + B(x_{k-1}, v)), B = W1[x_{k-1}] · W2 (rank r), x_0 = anchor.
 Confidence head: c_k = sigmoid(w · [h_k ; W1[x_{k-1}]] + b): it sees the PREVIOUS token only,
