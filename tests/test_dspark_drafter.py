@@ -120,12 +120,12 @@ def test_block_forward_equals_the_plain_reference(target):
         for layer in model.layers:
             x = reference_layer(layer, x, ctx, valid, model.cfg.context_len, model.cfg.rope_theta)
         expected = model.final_norm(x)
-        h, _ = model.backbone(ctx, valid, anchors)
+        h, _ = model.backbone(model.context_kv(ctx), valid, anchors)
         torch.testing.assert_close(h, expected, atol=1e-5, rtol=1e-5)
         # the run-time frame: keys rotated at their sequence positions, anchors at 40, 41, 42
         kv = [model.context_kv(ctx[i : i + 1], start=40 + i - model.cfg.context_len) for i in range(3)]
         kv = [tuple(torch.cat([kv[i][l][j] for i in range(3)]) for j in range(2)) for l in range(len(model.layers))]
-        h2, _ = model.backbone_kv(kv, valid, anchors, block_pos=torch.tensor([40, 41, 42]))
+        h2, _ = model.backbone(kv, valid, anchors, block_pos=torch.tensor([40, 41, 42]))
         torch.testing.assert_close(h2, expected, atol=1e-4, rtol=1e-4)
 
 

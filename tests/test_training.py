@@ -152,15 +152,22 @@ def test_anchors_and_batch_layout(cache_dir):
         assert seen.tolist() == list(range(max(0, anchor - 6), anchor))
 
 
-def test_blocks_sharing_a_context_row_see_what_they_would_see_alone(cache_dir, target):
-    """Grouping a sequence's anchors (one context projection) changes nothing a block computes."""
-    from dspark.training.trainer import ShardPool, forward_batch, load_batch
-
+def drafter_with_live_heads(target):
+    """A seeded untrained drafter whose Markov bias and confidence head are not zero (as
+    initialised), so chains and confidences depend on every part of the block forward."""
     torch.manual_seed(0)
     model = build_model(drafter_cfg(target), target.model)
     with torch.no_grad():
         model.markov_w2.normal_(std=0.5)
         model.conf_head.weight.normal_()
+    return model
+
+
+def test_blocks_sharing_a_context_row_see_what_they_would_see_alone(cache_dir, target):
+    """Grouping a sequence's anchors (one context projection) changes nothing a block computes."""
+    from dspark.training.trainer import ShardPool, forward_batch, load_batch
+
+    model = drafter_with_live_heads(target)
     rd = CacheReader(cache_dir)
     pool = ShardPool(rd, 2)
     items = [(r, a) for r in (0, 1) for a in anchors_for(rd.rows[r], 4, 3)]
@@ -244,11 +251,7 @@ def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
     from dspark.sampling import SamplingParams
     from dspark.training.trainer import free_running, load_batch, ShardPool
 
-    torch.manual_seed(0)
-    model = build_model(drafter_cfg(target), target.model)
-    with torch.no_grad():
-        model.markov_w2.normal_(std=0.5)
-        model.conf_head.weight.normal_()
+    model = drafter_with_live_heads(target)
     rd = CacheReader(cache_dir)
     info = rd.rows[2]
     row = CacheReader.row(rd.load_shard(info.shard), info.row)

@@ -128,7 +128,7 @@ class DSparkDrafter(DrafterBase):
             return [DraftTree() for _ in requests]
         ctx_kv, valid, block_pos = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
-        h, conf_h = self.model.backbone_kv(ctx_kv, valid, anchors, depth, block_pos=block_pos)  # [B, depth, d], [B, depth]
+        h, conf_h = self.model.backbone(ctx_kv, valid, anchors, depth, block_pos=block_pos)  # [B, depth, d], [B, depth]
         base_logits = self.vocab.logits(h)  # [B, depth, Vd]
         trees = [DraftTree() for _ in requests]
         greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]

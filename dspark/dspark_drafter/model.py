@@ -294,25 +294,6 @@ class DSparkModel(nn.Module):
         mask = self.mask_embed[None, None, :].expand(b, g - 1, -1)
         return torch.cat([emb[:, None, :], mask], dim=1)
 
-    def backbone(
-        self,
-        ctx: torch.Tensor,
-        ctx_valid: torch.Tensor,
-        anchor: torch.Tensor,
-        depth: int | None = None,
-        ctx_index: torch.Tensor | None = None,
-        block_pos: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ctx [S, N, d] projected context, ctx_valid [B, N] (what block b may see), anchor [B]
-        -> final-normed states h [B, G', d] and conf_h [B, G'] for block positions 1..G'
-        (G' = depth or G): everything but the vocabulary-sized heads.
-
-        Positions: context slot j sits at position j and block b's anchor at block_pos[b]
-        (None: N, i.e. each block owns a right-aligned window, as at run time). RoPE is
-        relative, so only the distances matter. ctx_index [B] lets many blocks share one
-        context row (training: several anchors of one sequence, its context projected once)."""
-        return self.backbone_kv(self.context_kv(ctx), ctx_valid, anchor, depth, ctx_index, block_pos)
-
     def context_kv(self, ctx: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """H_ctx [..., N, d] at positions start..start+N-1 -> every layer's context keys (RoPE
         applied) and values [..., N, KV*D] (see DraftLayer.context_kv)."""
@@ -321,7 +302,7 @@ class DSparkModel(nn.Module):
         rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)  # [N, D]
         return [layer.context_kv(ctx, rope) for layer in self.layers]
 
-    def backbone_kv(
+    def backbone(
         self,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         ctx_valid: torch.Tensor,
@@ -330,8 +311,14 @@ class DSparkModel(nn.Module):
         ctx_index: torch.Tensor | None = None,
         block_pos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`backbone` from each layer's context keys/values [S, N, KV*D] (`context_kv`);
-        block_pos in the positions those keys were rotated at (None: N, for `context_kv(ctx)`)."""
+        """Each layer's context keys/values [S, N, KV*D] (`context_kv`), ctx_valid [B, N] (what
+        block b may see), anchor [B] -> final-normed states h [B, G', d] and conf_h [B, G'] for
+        block positions 1..G' (G' = depth or G): everything but the vocabulary-sized heads.
+
+        block_pos [B]: block b's anchor position, in the positions the keys were rotated at
+        (None: N, i.e. right after `context_kv(ctx)`'s window, as a right-aligned window at run
+        time). RoPE is relative, so only the distances matter. ctx_index [B] lets many blocks
+        share one context row (training: several anchors of one sequence, projected once)."""
         b, g, n = anchor.shape[0], self.cfg.gamma, ctx_kv[0][0].shape[1]
         x = self.block_inputs(anchor)
         dev = x.device
@@ -357,7 +344,7 @@ class DSparkModel(nn.Module):
     ) -> BlockOutput:
         """`backbone` plus base logits over the whole vocabulary (logits only for the first
         `depth` positions: the LM head is most of the drafter's cost)."""
-        h, conf_h = self.backbone(ctx, ctx_valid, anchor, depth, ctx_index, block_pos)
+        h, conf_h = self.backbone(self.context_kv(ctx), ctx_valid, anchor, depth, ctx_index, block_pos)
         return BlockOutput(h, self.head_logits(h), conf_h)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -402,7 +389,7 @@ class DSparkModel(nn.Module):
         Returns draft logits [B, G, V] float32 and confidence logits [B, G]. With `vocab`
         (sorted token ids, the reduced draft vocabulary) the logits are [B, G, Vd], column i
         scoring token vocab[i]: the distribution the drafter samples from at run time."""
-        h, conf_h = self.backbone(ctx, ctx_valid, tokens[:, 0], None, ctx_index, block_pos)
+        h, conf_h = self.backbone(self.context_kv(ctx), ctx_valid, tokens[:, 0], None, ctx_index, block_pos)
         feat = self.markov_features(tokens[:, :-1])  # [B, G, r]
         if vocab is None:
             logits = self.head_logits(h) + self.markov_bias(feat)
