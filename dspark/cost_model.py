@@ -7,7 +7,10 @@ and torch version. Rows and context matter, not just the token count R x w: 8 ro
 attention over 8 caches and the CPU kernels switch at 4 rows. On our 2-core CPU (SmolLM2,
 512-token caches) 8 rows of 2 tokens cost 1.13 plain rounds, where a table by total tokens
 (one row on a 128-token cache) said 1.20; one row of 3 tokens costs 1.00-1.03 steps, where
-interpolating that table between 2 and 4 tokens said 1.17.
+interpolating that table between 2 and 4 tokens said 1.17. Where the forward packs ragged
+rows (the lean forward on CPU) the table also holds R rows of which one is w wide, so that a
+round whose rows carry different numbers of draft tokens is priced by its total tokens and its
+widest row (`BatchCostTable.ragged_latency`), not as if every row were the widest.
 
 `CostTable` is the one-dimensional curve SPS(B) of the paper (latency by tokens in the
 forward), kept for hand-written cost curves; it prices a round of R rows x w tokens as R x w.
@@ -115,6 +118,10 @@ class BatchCostTable:
     widths: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]  # [len(rows)][len(widths)]
     context: int = PROFILE_CONTEXT
+    # Where the forward packs ragged rows (`ModelRunner.packs_ragged_blocks`): the latency of R
+    # rows of which ONE carries w tokens and the rest one each, on the same grid. None: the
+    # forward pads every row to the widest (a round costs `round_latency(rows, widest)`).
+    one_wide: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.rows or not self.widths:
@@ -122,8 +129,9 @@ class BatchCostTable:
         for axis in (self.rows, self.widths):
             if list(axis) != sorted(set(axis)) or axis[0] < 1:
                 raise ValueError("cost table rows and widths must be positive and strictly increasing")
-        if len(self.seconds) != len(self.rows) or any(len(line) != len(self.widths) for line in self.seconds):
-            raise ValueError("cost table seconds must be a rows x widths grid")
+        for grid in (self.seconds, self.one_wide):
+            if grid is not None and (len(grid) != len(self.rows) or any(len(line) != len(self.widths) for line in grid)):
+                raise ValueError("cost table seconds must be a rows x widths grid")
 
     def round_latency(self, rows: int, width: float) -> float:
         by_rows = tuple(interpolate(self.widths, line, width) for line in self.seconds)
@@ -132,22 +140,61 @@ class BatchCostTable:
     def plain_latency(self, rows: int) -> float:
         return self.round_latency(rows, 1)
 
+    @property
+    def prices_ragged_rows(self) -> bool:
+        return self.one_wide is not None
+
+    def ragged_latency(self, lengths: list[int] | tuple[int, ...]) -> float:
+        """Seconds of one forward where row r carries lengths[r] >= 1 tokens.
+
+        Padded forwards: every row costs the widest. Packed ones (`one_wide`): projections and
+        MLPs cost by the total token count, attention still by rows x the widest row; so the
+        price runs linearly in the total, from one wide row among one-token rows (measured) to
+        every row that wide (measured)."""
+        rows, widest, total = len(lengths), max(lengths), sum(lengths)
+        full = self.round_latency(rows, widest)
+        if self.one_wide is None or rows == 1 or widest == 1:
+            return full
+        by_rows = tuple(interpolate(self.widths, line, widest) for line in self.one_wide)
+        one = min(full, interpolate(self.rows, by_rows, rows))
+        least, most = rows + widest - 1, rows * widest
+        return one + (full - one) * (total - least) / (most - least)
+
     @staticmethod
-    def monotone(rows: list[int], widths: list[int], seconds: list[list[float]], context: int = PROFILE_CONTEXT) -> "BatchCostTable":
-        """More rows or wider rows never cost less: running maxima along both axes."""
-        grid = [running_max(line) for line in seconds]
-        for j in range(len(widths)):
-            column = running_max([line[j] for line in grid])
-            for i, v in enumerate(column):
-                grid[i][j] = v
-        return BatchCostTable(tuple(rows), tuple(widths), tuple(tuple(line) for line in grid), context)
+    def monotone(
+        rows: list[int], widths: list[int], seconds: list[list[float]], context: int = PROFILE_CONTEXT,
+        one_wide: list[list[float]] | None = None,
+    ) -> "BatchCostTable":
+        """More rows or wider rows never cost less: running maxima along both axes (and a
+        round with one wide row never costs more than one with every row that wide)."""
+
+        def smooth(seconds: list[list[float]]) -> list[list[float]]:
+            grid = [running_max(line) for line in seconds]
+            for j in range(len(widths)):
+                column = running_max([line[j] for line in grid])
+                for i, v in enumerate(column):
+                    grid[i][j] = v
+            return grid
+
+        grid = smooth(seconds)
+        one = None
+        if one_wide is not None:
+            one = tuple(tuple(min(a, b) for a, b in zip(o, g)) for o, g in zip(smooth(one_wide), grid))
+        return BatchCostTable(tuple(rows), tuple(widths), tuple(tuple(line) for line in grid), context, one)
 
     def describe(self) -> str:
-        """One line per row count: 'R rows: w=1 35.0 ms, w=2 ...' (for logs and reports)."""
-        return "; ".join(
+        """One line per row count: 'R rows: w=1 35.0 ms, w=2 ...' (for logs and reports), then
+        the one-wide-row latencies where the forward packs ragged rows."""
+        text = "; ".join(
             f"{r} rows: " + ", ".join(f"w{w} {1000 * s:.1f}" for w, s in zip(self.widths, line)) + " ms"
             for r, line in zip(self.rows, self.seconds)
         )
+        if self.one_wide is not None:
+            text += "; one row wide: " + "; ".join(
+                f"{r} rows: " + ", ".join(f"w{w} {1000 * s:.1f}" for w, s in zip(self.widths, line)) + " ms"
+                for r, line in zip(self.rows, self.one_wide) if r > 1
+            )
+        return text
 
 
 def profile_rows(max_rows: int) -> tuple[int, ...]:
@@ -192,8 +239,10 @@ def measure_batch_costs(
     reps: int = 3,
 ) -> BatchCostTable:
     """Time one forward of R rows x w new tokens on top of `context` cached tokens per row,
-    for every (R, w). Keeps the fastest of `reps` runs: on a shared machine noise only ever
-    adds time. One batched prefill serves every R (largest first, then rows are dropped)."""
+    for every (R, w), and where the forward packs ragged rows also with only one of the R rows
+    w wide (`BatchCostTable.one_wide`). Keeps the fastest of `reps` runs: on a shared machine
+    noise only ever adds time. One batched prefill serves every R (largest first, then rows
+    are dropped)."""
     from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
 
     runner = ModelRunner(target.model)
@@ -203,25 +252,33 @@ def measure_batch_costs(
     context = max(1, min(context, target.max_context - max(widths)))
     runner.cache, _ = runner.prefill([torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(rows[-1])])
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    grid: dict[int, list[float]] = {}
+    # shapes (w, one): every row w wide, or (where the forward packs ragged rows) one row w wide
+    # and the rest 1; with one row, or w = 1, the two are the same forward
+    ragged = runner.packs_ragged_blocks
+    best: dict[tuple[int, int, bool], float] = {}
     for r in reversed(rows):
         runner.cache.select_rows(list(range(r)))
-        times: dict[int, list[float]] = {w: [] for w in widths}
-        # widths interleaved, so that a burst of load on a shared machine inflates one sample
-        # of several widths rather than every sample of one (the scheduler reads ratios)
+        shapes = [(w, False) for w in widths] + ([(w, True) for w in widths if w > 1] if ragged and r > 1 else [])
+        times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}
+        # shapes interleaved, so that a burst of load on a shared machine inflates one sample
+        # of several shapes rather than every sample of one (the scheduler reads ratios)
         for rep in range(reps + 1):  # the first pass warms up kernels for each shape
-            for w in widths:
-                blocks = [(torch.randint(0, vocab, (w,), generator=g).tolist(), list(range(-1, w - 1))) for _ in range(r)]
+            for w, one in shapes:
+                lengths = [w] + [1 if one else w] * (r - 1)
+                blocks = [(torch.randint(0, vocab, (n,), generator=g).tolist(), list(range(-1, n - 1))) for n in lengths]
                 sync()
                 t0 = time.perf_counter()
                 runner.forward_block(blocks)
                 sync()
                 if rep:
-                    times[w].append(time.perf_counter() - t0)
+                    times[(w, one)].append(time.perf_counter() - t0)
                 runner.cache.commit([[]] * r)  # drop the block: the cache returns to `context` tokens
-        grid[r] = [min(times[w]) for w in widths]
+        for (w, one), ts in times.items():
+            best[(r, w, one)] = min(ts)
     runner.cache.select_rows([])
-    return BatchCostTable.monotone(list(rows), list(widths), [grid[r] for r in rows], context)
+    seconds = [[best[(r, w, False)] for w in widths] for r in rows]
+    one_wide = [[best.get((r, w, True), best[(r, w, False)]) for w in widths] for r in rows] if ragged else None
+    return BatchCostTable.monotone(list(rows), list(widths), seconds, context, one_wide)
 
 
 # A cached table whose 1-token latency is this much slower than a fresh timing was measured
@@ -247,7 +304,11 @@ def load_or_profile(
     path = Path(cache_root()) / "cost_tables" / f"{_profile_key(target, context, rows, widths)}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
-        cached = BatchCostTable(tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(line) for line in data["seconds"]), data["context"])
+        one_wide = data.get("one_wide")
+        cached = BatchCostTable(
+            tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(line) for line in data["seconds"]), data["context"],
+            None if one_wide is None else tuple(tuple(line) for line in one_wide),
+        )
         now = measure_batch_costs(target, rows=(1,), widths=(1,), context=context)
         if cached.plain_latency(1) <= STALE_FACTOR * now.plain_latency(1):
             LOG.info("Cost table from %s", path)
@@ -271,6 +332,7 @@ def load_or_profile(
                 "rows": list(table.rows),
                 "widths": list(table.widths),
                 "seconds": [list(line) for line in table.seconds],
+                "one_wide": None if table.one_wide is None else [list(line) for line in table.one_wide],
             },
             indent=1,
         )

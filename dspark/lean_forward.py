@@ -32,6 +32,8 @@ transformers' forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +48,8 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # Part of the cost-table cache key: bump when a change here alters what a forward costs.
 # 2: bfloat16 blocks fold query groups on CPU; CUDA takes transformers' kernel choices.
 # 3: blocks fold query groups on CPU in every dtype.
-LEAN_FORWARD_VERSION = 3
+# 4: ragged rows packed on CPU (`RaggedLayout`); tables gain the one-wide-row latencies.
+LEAN_FORWARD_VERSION = 4
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
 # verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
 # SDPA: there the two cost about the same, and copying the mask for every query head made an
@@ -159,32 +162,37 @@ class LeanDecoder:
         logits_positions: torch.Tensor | None = None,  # block positions to keep; None = all
         want_logits: bool = True,
         is_causal: bool = False,  # with no mask: causal block on an empty cache (else every key is visible)
+        lengths: torch.Tensor | None = None,  # [B] tokens per row (the rest is padding); None = W each
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """Appends the block's keys/values to `cache`; returns logits [B, W', V] (W' =
         len(logits_positions) or W) and the hidden states of `hidden_layers` [B, W, d] each,
         indexed like transformers' `output_hidden_states` (0 = embeddings, i = after layer i,
-        num_layers = after the final norm)."""
-        with decoding_sdpa(ids.device):
-            return self._forward(ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal)
+        num_layers = after the final norm).
 
-    def _forward(self, ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal):
-        b, w = ids.shape
+        With `lengths`, the projections, MLPs and LM head run on the rows' real tokens only,
+        packed together (`RaggedLayout`); attention keeps the padded [B, W] grid. Padding gets
+        zero queries, keys and values, and zeros in the returned logits and hidden states."""
+        with decoding_sdpa(ids.device):
+            layout = RaggedLayout.of(lengths, *ids.shape)
+            return self._forward(ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal, layout)
+
+    def _forward(self, ids, attention_mask, position_ids, cache, hidden_layers, logits_positions, want_logits, is_causal, layout):
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
-        x = self.inner.embed_tokens(ids)  # [B, W, d]
+        x = self.inner.embed_tokens(layout.pack(ids))  # [T, d]: T = B * W, or the real tokens when packed
         cos, sin = self.inner.rotary_emb(x, position_ids)  # [B, W, dh]
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        cos, sin = layout.pack(cos)[:, None], layout.pack(sin)[:, None]  # [T, 1, dh]: broadcast over heads
         want = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}
         n = len(self.inner.layers)
         for i, layer in enumerate(self.inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             y = self.norm(x, layer.input_layernorm)
-            q = rotate(attn.q_proj(y).view(b, w, h, dh).transpose(1, 2), cos, sin)  # [B, H, W, dh]
-            k = rotate(attn.k_proj(y).view(b, w, hk, dh).transpose(1, 2), cos, sin)  # [B, Hkv, W, dh]
-            v = attn.v_proj(y).view(b, w, hk, dh).transpose(1, 2)
-            keys, values = cache.layers[i].update(k, v)  # [B, Hkv, S + W, dh]
-            o = self.attention(q, keys, values, attention_mask, is_causal)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, w, h * dh))
+            q = rotate(attn.q_proj(y).view(-1, h, dh), cos, sin)  # [T, H, dh]
+            k = rotate(attn.k_proj(y).view(-1, hk, dh), cos, sin)  # [T, Hkv, dh]
+            v = attn.v_proj(y).view(-1, hk, dh)
+            keys, values = cache.layers[i].update(layout.grid(k).transpose(1, 2), layout.grid(v).transpose(1, 2))  # [B, Hkv, S + W, dh]
+            o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal)  # [B, H, W, dh]
+            x = x + attn.o_proj(layout.pack(o.transpose(1, 2)).reshape(-1, h * dh))
             y = self.norm(x, layer.post_attention_layernorm)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
             if i + 1 in want and i + 1 < n:
@@ -194,5 +202,44 @@ class LeanDecoder:
             x = self.norm(x, self.inner.norm)
             hidden[n] = x
         if want_logits:
-            logits = self.model.lm_head(x if logits_positions is None else x[:, logits_positions])
-        return logits, ([hidden[j] for j in hidden_layers] if hidden_layers else None)
+            if logits_positions is None:
+                logits = layout.grid(self.model.lm_head(x))
+            else:
+                logits = self.model.lm_head(layout.grid(x)[:, logits_positions])
+        return logits, ([layout.grid(hidden[j]) for j in hidden_layers] if hidden_layers else None)
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where a batch's real tokens sit in its right-padded [B, W] grid.
+
+    Rows of a verify round carry different numbers of draft tokens (the `dspark` scheduler
+    gives each row its own budget), and prompts of a prefill differ in length. Attention works
+    on the padded grid (each row has its own cache), but everything else in a decoder layer
+    treats tokens independently, so it can run on the real tokens alone, packed row after row:
+    a batch priced by its total token count (the paper's B = sum_r (1 + l_r)) rather than by
+    rows x the widest row. `index` is None when nothing is padded (then packing is a view).
+    """
+
+    rows: int
+    width: int
+    index: torch.Tensor | None  # [T] flat positions b * W + j of the real tokens, in order
+
+    @staticmethod
+    def of(lengths: torch.Tensor | None, rows: int, width: int) -> "RaggedLayout":
+        if lengths is None or int(lengths.sum()) == rows * width:
+            return RaggedLayout(rows, width, None)
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [B, W]
+        return RaggedLayout(rows, width, real.flatten().nonzero().squeeze(1))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, W, ...] -> [T, ...]"""
+        flat = t.reshape(self.rows * self.width, *t.shape[2:])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def grid(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, W, ...], zeros at padding."""
+        if self.index is None:
+            return t.view(self.rows, self.width, *t.shape[1:])
+        out = t.new_zeros(self.rows * self.width, *t.shape[1:])
+        return out.index_copy_(0, self.index, t).view(self.rows, self.width, *t.shape[1:])

@@ -38,6 +38,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.num_layers = model.config.num_hidden_layers
         self.hidden_layers = tuple(hidden_layers)
+        # Rows of different lengths run their projections/MLPs/LM head on real tokens only
+        # (`RaggedLayout`), so a round costs by its total tokens, not rows x the widest row.
+        # CPU only: on CUDA the lean path keeps transformers' (padded) kernel shapes.
+        self.packs_ragged_blocks = self.lean is not None and not self.lean.transformers_kernels
         # transformers >= 5.2x renamed `past_key_values` to `cache`
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache = self.new_cache()
@@ -57,7 +61,8 @@ class ModelRunner:
 
         blocks[b] = (tokens, parents): tokens[0] sits after the row's committed tokens;
         parents[i] is the block index of token i's parent (-1 for the first token), so a
-        chain is parents = [-1, 0, 1, ...]. Shorter rows are padded; pads see only themselves.
+        chain is parents = [-1, 0, 1, ...]. Shorter rows are padded; pads see only themselves
+        (and, when `packs_ragged_blocks`, cost nothing outside attention).
         logits_positions: "all", "none" (a prefill that needs no logits), or a 1-D tensor of
         block positions: logits [B, len(positions), V] at those positions of every row.
         """
@@ -86,8 +91,10 @@ class ModelRunner:
             keep = logits_positions.to(self.device) if isinstance(logits_positions, torch.Tensor) else None
             no_logits = isinstance(logits_positions, str) and logits_positions == "none"
             maskless, is_causal = self._maskless(blocks, cache) if self.lean.transformers_kernels else (False, False)
+            lengths = torch.tensor([len(t) for t, _ in blocks], device=self.device) if self.packs_ragged_blocks else None
             logits, hidden = self.lean(
-                ids, None if maskless else attn, positions, cache, self.hidden_layers, keep, want_logits=not no_logits, is_causal=is_causal
+                ids, None if maskless else attn, positions, cache, self.hidden_layers, keep,
+                want_logits=not no_logits, is_causal=is_causal, lengths=lengths,
             )
             return BlockOutput(logits, hidden)
         want_hidden = bool(self.hidden_layers)

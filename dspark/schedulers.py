@@ -182,19 +182,59 @@ def width_schedule(survival: Sequence[Sequence[float]], round_sps: Callable[[int
     return [min(best_width, sum(1 for a in row if a > 0)) for row in survival]
 
 
+def ragged_width_schedule(survival: Sequence[Sequence[float]], latency: Callable[[list[int]], float]) -> list[int]:
+    """Algorithm 1 for a forward that packs ragged rows, a column at a time.
+
+    latency(lengths): seconds of a forward where row r carries lengths[r] tokens (anchor +
+    drafts). There a draft token costs its share of the projections and MLPs, and widening
+    the block costs attention over every row, so neither a token-by-token search (the first
+    token of a new column pays the whole widening and stops it) nor a whole column (rows with
+    weak drafts pay for tokens nobody wants) fits. Column w admits the k rows (those verified
+    up to w - 1) with the highest survival a_{r,w}, k chosen to maximise tau* x SPS; the
+    search stops at the first column that does not raise it. As in `width_schedule`, whether
+    position j is verified depends only on survivals at positions <= j.
+    """
+    rows = len(survival)
+    if rows == 0:
+        return []
+    lengths = [0] * rows
+    tau = float(rows)
+    best = tau / latency([1] * rows)
+    depth = max((len(r) for r in survival), default=0)
+    for w in range(1, depth + 1):
+        ready = sorted((-row[w - 1], r) for r, row in enumerate(survival) if lengths[r] == w - 1 and len(row) >= w and row[w - 1] > 0)
+        if not ready:
+            break
+        trial, gain = list(lengths), tau
+        column_best, column_lengths, column_tau = best, None, tau
+        for neg_a, r in ready:
+            trial[r] = w
+            gain -= neg_a
+            theta = gain / latency([1 + n for n in trial])
+            if theta > column_best:
+                column_best, column_lengths, column_tau = theta, list(trial), gain
+        if column_lengths is None:
+            break
+        best, lengths, tau = column_best, column_lengths, column_tau
+    return lengths
+
+
 @dataclass
 class DSparkScheduler(Scheduler):
     """Hardware-aware prefix scheduler over the profiled round costs (dspark/cost_model.py).
 
     `gate=True` lets the engine skip drafting while it does not pay (dspark/draft_gate.py).
-    `packed=False` (the default, matching this engine's right-padded verify forward) prices
-    a block by its widest row (`width_schedule`); `packed=True` is the paper's accounting for
-    ragged batches, B = sum_r (1 + l_r) (`prefix_schedule`). At batch size 1 they agree.
+    How a block is priced follows the forward the cost table was measured on (`packed=None`):
+    a table that prices ragged rows (the lean forward on CPU packs them) gets
+    `ragged_width_schedule`, one of a right-padded forward `width_schedule` (a block costs its
+    widest row). `packed=True` forces the paper's accounting B = sum_r (1 + l_r) on the table's
+    uniform widths (`prefix_schedule`), `packed=False` the padded one. At batch size 1 they all
+    agree.
     """
 
     cost: RoundCost | None = None
     max_depth: int = DEFAULT_MAX_DEPTH
-    packed: bool = False
+    packed: bool | None = None
     gate: bool = True
 
     def __post_init__(self) -> None:
@@ -214,6 +254,8 @@ class DSparkScheduler(Scheduler):
         survival = [sorted(t.survival(), reverse=True) for t in trees]
         if self.packed:  # B tokens over R rows: priced as R rows of B / R tokens
             return prefix_schedule(survival, lambda b: 1.0 / cost.round_latency(rows, b / rows), packed_tokens)
+        if self.packed is None and getattr(cost, "prices_ragged_rows", False):
+            return ragged_width_schedule(survival, cost.ragged_latency)  # type: ignore[attr-defined]
         return width_schedule(survival, lambda w: 1.0 / cost.round_latency(rows, w))
 
 

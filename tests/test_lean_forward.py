@@ -17,16 +17,23 @@ ROUNDS = [
 ]
 
 
+def real_positions(t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A block output [B, W, ...] without its padding (what a padded position holds is undefined:
+    the lean forward on CPU packs rows and leaves zeros there)."""
+    return torch.cat([t[b, :n] for b, n in enumerate(lengths)])
+
+
 def run_rounds(model, lean: bool, hidden_layers: tuple[int, ...]) -> list[torch.Tensor]:
     runner = ModelRunner(model, hidden_layers=hidden_layers, lean=lean)
     assert (runner.lean is not None) == lean
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 7, 23)]
     runner.cache, hidden, logits = runner.prefill_with_logits(prompts)
-    outs = [logits, *hidden]
+    outs = [logits, *(real_positions(h, [40, 7, 23]) for h in hidden)]
     for blocks, keep in ROUNDS:
         out = runner.forward_block(blocks)
-        outs += [out.logits, *out.hidden]
+        lengths = [len(t) for t, _ in blocks]
+        outs += [real_positions(t, lengths) for t in (out.logits, *out.hidden)]
         runner.cache.commit(keep)
     runner.cache.select_rows([0])  # one row, one token: the autoregressive step
     for tok in (13, 14):
@@ -62,6 +69,32 @@ def test_lean_matches_a_llama_with_biases_everywhere():
     assert lean_support(model) is None
     for ref, got in zip(run_rounds(model, lean=False, hidden_layers=(1,)), run_rounds(model, lean=True, hidden_layers=(1,))):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_rows_run_their_projections_and_lm_head_on_real_tokens_only(monkeypatch):
+    """On CPU a verify round of rows 1, 4 and 2 tokens wide multiplies 7 token rows through the
+    projections, MLPs and LM head, not 3 x 4; each row's logits are what it gets alone."""
+    model = tiny_model("llama", 256, seed=6, layers=2)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 5, 12)]
+    blocks = [([5], [-1]), ([6, 7, 8, 9], [-1, 0, 1, 1]), ([10, 11], [-1, 0])]
+    runner = ModelRunner(model)
+    assert runner.packs_ragged_blocks
+    runner.cache, _, _ = runner.prefill_with_logits(prompts)
+    seen = []
+    for name in ("q_proj", "down_proj", "lm_head"):
+        module = model.lm_head if name == "lm_head" else model.model.layers[0].self_attn.q_proj if name == "q_proj" else model.model.layers[0].mlp.down_proj
+        forward = module.forward
+        monkeypatch.setattr(module, "forward", lambda x, forward=forward, name=name: seen.append((name, x.numel() // x.shape[-1])) or forward(x))
+    together = runner.forward_block(blocks).logits
+    assert sorted(seen) == [("down_proj", 7), ("lm_head", 7), ("q_proj", 7)]
+    monkeypatch.undo()
+    for r, (prompt, block) in enumerate(zip(prompts, blocks)):
+        alone = ModelRunner(model)
+        alone.cache, _, _ = alone.prefill_with_logits([prompt])
+        n = len(block[0])
+        torch.testing.assert_close(together[r, :n], alone.forward_block([block]).logits[0], rtol=1e-5, atol=1e-5)
+        assert not together[r, n:].any()  # padding: zeros, never read
 
 
 def test_lean_final_hidden_state_is_what_the_lm_head_reads():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.cost_model import CostTable
+from dspark.cost_model import BatchCostTable, CostTable
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator
@@ -15,7 +15,12 @@ from tests.conftest import tiny_model
 
 # A cost table under which verifying is cheap enough that `dspark` does speculate.
 CHEAP_VERIFY = CostTable((1, 8, 64, 256), (0.010, 0.011, 0.020, 0.060))
-SCHEDULERS = ["ar", "fixed:1", "fixed:4", "threshold:0.7", "threshold:0.9", "threshold:0.3", "util", "dspark", "dspark-packed"]
+# The same for a forward that packs ragged rows: widening the block is cheap, a token cheaper.
+CHEAP_RAGGED = BatchCostTable.monotone(
+    [1, 2, 4, 8], [1, 2, 4, 8], [[0.010, 0.010, 0.011, 0.012], [0.011, 0.011, 0.012, 0.014], [0.012, 0.013, 0.016, 0.020], [0.014, 0.016, 0.022, 0.035]],
+    one_wide=[[0.010, 0.010, 0.011, 0.012], [0.011, 0.011, 0.012, 0.013], [0.012, 0.012, 0.013, 0.014], [0.014, 0.014, 0.015, 0.016]],
+)
+SCHEDULERS = ["ar", "fixed:1", "fixed:4", "threshold:0.7", "threshold:0.9", "threshold:0.3", "util", "dspark", "dspark-packed", "dspark-ragged"]
 
 
 def scheduler(name: str, max_depth: int = 8):
@@ -23,6 +28,8 @@ def scheduler(name: str, max_depth: int = 8):
         return DSparkScheduler(cost=CHEAP_VERIFY, max_depth=max_depth)
     if name == "dspark-packed":
         return DSparkScheduler(cost=CHEAP_VERIFY, packed=True, max_depth=max_depth)
+    if name == "dspark-ragged":
+        return DSparkScheduler(cost=CHEAP_RAGGED, max_depth=max_depth)
     if name.startswith("threshold:"):
         return Threshold(float(name.partition(":")[2]), max_depth=max_depth)
     return make_scheduler(name)
@@ -111,7 +118,7 @@ def test_more_requests_than_batch_slots_and_mixed_lengths(tiny_llama):
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("sched", ["ar", "fixed:4", "threshold:0.7", "dspark"])
+@pytest.mark.parametrize("sched", ["ar", "fixed:4", "threshold:0.7", "dspark", "dspark-ragged"])
 def test_embedded_smollm2_fp32(embedded_fp32, sched):
     """The shipped default target, fp32, real chat prompts: identical to transformers greedy."""
     prompts = [
@@ -121,6 +128,6 @@ def test_embedded_smollm2_fp32(embedded_fp32, sched):
     ]
     ids = [embedded_fp32.encode(p) for p in prompts]
     expected = [hf_greedy(embedded_fp32, p, 32) for p in ids]
-    gen = DSparkGenerator(embedded_fp32, "ngram", sched if sched != "dspark" else DSparkScheduler(cost=CHEAP_VERIFY), max_batch_size=3)
+    gen = DSparkGenerator(embedded_fp32, "ngram", scheduler(sched), max_batch_size=3)
     results = gen.generate(ids, max_new_tokens=32)
     assert [r.token_ids for r in results] == expected

@@ -15,8 +15,10 @@ from dspark.schedulers import (
     Threshold,
     UtilizationAdaptive,
     make_scheduler,
+    DSparkScheduler,
     packed_tokens,
     prefix_schedule,
+    ragged_width_schedule,
     threshold_count,
     width_schedule,
 )
@@ -71,10 +73,48 @@ def test_admission_of_position_j_never_depends_on_later_tokens(conf, curve, data
     changed = [list(row) for row in conf]
     changed[r] = conf[r][: j + 1] + new_tail
     by_width = lambda w: sps(len(conf) * w)  # noqa: E731
-    for schedule, price in ((prefix_schedule, sps), (width_schedule, by_width)):
+    ragged = lambda lengths: latency(sum(lengths)) + 0.3 * curve[2] * len(lengths) * max(lengths)  # noqa: E731
+    for schedule, price in ((prefix_schedule, sps), (width_schedule, by_width), (ragged_width_schedule, ragged)):
         before = schedule(survival_rows(conf), price)
         after = schedule(survival_rows(changed), price)
         assert (before[r] > j) == (after[r] > j), schedule.__name__
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences, cost_curves)
+def test_ragged_schedule_is_the_width_schedule_when_padding_is_what_costs(conf, curve):
+    """Priced by the widest row alone (a padded forward), admitting every ready row of a column
+    is free once the column is paid for: the ragged search then makes the width schedule's choice."""
+    survival = survival_rows(conf)
+    latency = latency_fn(curve)
+    rows = len(survival)
+    padded = ragged_width_schedule(survival, lambda lengths: latency(rows * max(lengths)))
+    assert padded == width_schedule(survival, lambda w: 1.0 / latency(rows * w))
+
+
+def test_ragged_schedule_verifies_confident_rows_deep_and_skips_weak_ones():
+    # per token 5% of a round, widening 2% per column: two confident rows, two hopeless ones
+    survival = survival_rows([[0.95] * 6, [0.15] * 6, [0.9] * 6, [0.1] * 6])
+    price = lambda lengths: 1.0 + 0.05 * (sum(lengths) - len(lengths)) + 0.02 * (max(lengths) - 1)  # noqa: E731
+    lengths = ragged_width_schedule(survival, price)
+    assert lengths[1] == lengths[3] == 0
+    assert lengths[0] >= 4 and lengths[2] >= 3
+    # the padded schedule must give the weak rows the same width as the strong ones
+    padded = width_schedule(survival, lambda w: 1.0 / price([w] * 4))
+    assert len(set(padded)) == 1
+
+
+def test_dspark_scheduler_prices_ragged_rows_where_the_table_does():
+    seconds = [[0.010, 0.011, 0.012], [0.020, 0.040, 0.060]]
+    one_wide = [[0.010, 0.011, 0.012], [0.020, 0.022, 0.024]]
+    ragged = BatchCostTable.monotone([1, 4], [1, 2, 3], seconds, context=64, one_wide=one_wide)
+    padded = BatchCostTable.monotone([1, 4], [1, 2, 3], seconds, context=64)
+    trees = [tree_with([0.95, 0.95], [-1, 0])] + [tree_with([0.2, 0.2], [-1, 0]) for _ in range(3)]
+    # padded: widening every row to 2 costs 2x for ~0.95 + 3 x 0.2 more tokens: not worth it
+    assert DSparkScheduler(cost=padded).budgets(trees) == [0, 0, 0, 0]
+    # packed: the confident row alone goes 2 deep for 10-20% more
+    assert DSparkScheduler(cost=ragged).budgets(trees) == [2, 0, 0, 0]
+    assert DSparkScheduler(cost=ragged, packed=False).budgets(trees) == [0, 0, 0, 0]
 
 
 def test_prefix_schedule_verifies_more_when_verification_is_cheap():
@@ -184,6 +224,23 @@ def test_batch_cost_table_interpolates_along_widths_then_rows_and_is_monotone():
         BatchCostTable((1, 2), (1,), ((0.01,),))
 
 
+def test_ragged_latency_runs_from_one_wide_row_to_every_row_wide():
+    seconds = [[0.010, 0.012, 0.014], [0.040, 0.060, 0.080]]
+    one_wide = [[0.010, 0.012, 0.014], [0.040, 0.045, 0.090]]  # noise: one wide row above all wide
+    t = BatchCostTable.monotone([1, 4], [1, 2, 3], seconds, context=64, one_wide=one_wide)
+    assert t.prices_ragged_rows
+    assert t.one_wide[1] == (0.040, 0.045, 0.080)  # never above every row that wide
+    assert t.ragged_latency([1, 1, 1, 1]) == pytest.approx(0.040)
+    assert t.ragged_latency([2, 1, 1, 1]) == pytest.approx(0.045)  # measured: one row 2 wide
+    assert t.ragged_latency([2, 2, 2, 2]) == pytest.approx(0.060)  # measured: every row 2 wide
+    assert t.ragged_latency([2, 2, 1, 1]) == pytest.approx(0.045 + (0.060 - 0.045) / 3)  # linear in the total
+    assert t.ragged_latency([3, 2, 2, 2]) == pytest.approx(0.080)  # one wide row clipped to all wide: 0.080 either way
+    assert t.ragged_latency([3]) == t.round_latency(1, 3)
+    plain = BatchCostTable.monotone([1, 4], [1, 2, 3], seconds, context=64)
+    assert not plain.prices_ragged_rows
+    assert plain.ragged_latency([2, 1, 1, 1]) == plain.round_latency(4, 2)  # a padded forward: the widest row
+
+
 def test_profiled_costs_grow_with_rows_and_widths(tiny_llama):
     from dspark.cost_model import measure_batch_costs, profile_rows
 
@@ -191,6 +248,8 @@ def test_profiled_costs_grow_with_rows_and_widths(tiny_llama):
     t = measure_batch_costs(tiny_llama, rows=(1, 4), widths=(1, 2, 8), context=32, reps=1)
     assert t.rows == (1, 4) and t.widths == (1, 2, 8) and t.context == 32
     assert all(s > 0 for line in t.seconds for s in line)
+    assert t.prices_ragged_rows  # the lean forward on CPU packs ragged rows: one wide row measured too
+    assert t.one_wide[0] == t.seconds[0] and all(o <= s for o, s in zip(t.one_wide[1], t.seconds[1]))
     assert t.round_latency(4, 8) >= t.round_latency(1, 8) >= t.plain_latency(1)
 
 
