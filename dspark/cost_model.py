@@ -42,6 +42,10 @@ LOG = logging.getLogger(__name__)
 PROFILE_WIDTHS = (1, 2, 3, 4, 5, 6, 8)
 # Cached tokens per row while profiling: about a prompt plus part of its answer.
 PROFILE_CONTEXT = 512
+# Timing passes per row count: at least `reps`, more while under this many seconds (one row
+# on a 2-core CPU: ~10 passes), at most this many.
+PROFILE_SECONDS_PER_ROW_COUNT = 4.0
+PROFILE_MAX_REPS = 12
 
 
 class RoundCost(Protocol):
@@ -237,11 +241,15 @@ def measure_batch_costs(
     widths: tuple[int, ...] = PROFILE_WIDTHS,
     context: int = PROFILE_CONTEXT,
     reps: int = 3,
+    seconds_per_row_count: float = PROFILE_SECONDS_PER_ROW_COUNT,
+    max_reps: int = PROFILE_MAX_REPS,
 ) -> BatchCostTable:
     """Time one forward of R rows x w new tokens on top of `context` cached tokens per row,
     for every (R, w), and where the forward packs ragged rows also with only one of the R rows
-    w wide (`BatchCostTable.one_wide`). Keeps the fastest of `reps` runs: on a shared machine
-    noise only ever adds time. One batched prefill serves every R (largest first, then rows
+    w wide (`BatchCostTable.one_wide`). Keeps the fastest of at least `reps` runs, more (up to
+    `max_reps`) while a row count has taken under `seconds_per_row_count`: on a shared machine
+    noise only ever adds time, and cheap shapes (one row) can afford the samples that keep
+    their small differences, which decide how deep to verify, from being noise. One batched prefill serves every R (largest first, then rows
     are dropped)."""
     from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
 
@@ -262,7 +270,10 @@ def measure_batch_costs(
         times: dict[tuple[int, bool], list[float]] = {shape: [] for shape in shapes}
         # shapes interleaved, so that a burst of load on a shared machine inflates one sample
         # of several shapes rather than every sample of one (the scheduler reads ratios)
-        for rep in range(reps + 1):  # the first pass warms up kernels for each shape
+        started = time.perf_counter()
+        for rep in range(max(reps, max_reps) + 1):  # the first pass warms up kernels for each shape
+            if rep > reps and time.perf_counter() - started > seconds_per_row_count:
+                break
             for w, one in shapes:
                 lengths = [w] + [1 if one else w] * (r - 1)
                 blocks = [(torch.randint(0, vocab, (n,), generator=g).tolist(), list(range(-1, n - 1))) for n in lengths]

@@ -253,6 +253,22 @@ def test_profiled_costs_grow_with_rows_and_widths(tiny_llama):
     assert t.round_latency(4, 8) >= t.round_latency(1, 8) >= t.plain_latency(1)
 
 
+def test_profiling_takes_more_samples_where_they_are_cheap(tiny_llama, monkeypatch):
+    """At least `reps` timed passes per row count; more, up to `max_reps`, while the row count
+    is under its time budget (plus one warm-up pass)."""
+    from dspark.cost_model import measure_batch_costs
+    from dspark.runner import ModelRunner
+
+    calls = []
+    forward = ModelRunner.forward_block
+    monkeypatch.setattr(ModelRunner, "forward_block", lambda self, blocks, *a, **k: calls.append(len(blocks)) or forward(self, blocks, *a, **k))
+    measure_batch_costs(tiny_llama, rows=(1,), widths=(1, 2), context=16, reps=2, seconds_per_row_count=0.0, max_reps=6)
+    assert calls.count(1) == 1 + (1 + 2) * 2  # the prefill, then (warm-up + 2 reps) x 2 widths
+    calls.clear()
+    measure_batch_costs(tiny_llama, rows=(1,), widths=(1, 2), context=16, reps=2, seconds_per_row_count=60.0, max_reps=6)
+    assert calls.count(1) == 1 + (1 + 6) * 2
+
+
 def test_cost_tables_of_different_models_with_the_same_shapes_are_kept_apart(tiny_llama, smol_tokenizer):
     from dspark.cost_model import _profile_key
     from dspark.models import wrap_model
