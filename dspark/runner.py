@@ -145,6 +145,38 @@ class ModelRunner:
         return cache, hidden, logits
 
     def _prefill(self, prompts: list[list[int]], last_logits: bool):
+        """Prefill in groups of similar length where the forward packs ragged rows: attention
+        runs on each call's padded [rows, longest] grid, so a short prompt beside a long one
+        would pay the long one's attention. The groups' caches are merged back in prompt order."""
+        lengths = [len(p) for p in prompts]
+        groups = prefill_groups(lengths) if self.packs_ragged_blocks and min(lengths) > 0 else [list(range(len(prompts)))]
+        if len(groups) == 1:
+            return self._prefill_group(prompts, last_logits)
+        cache = self.new_cache()
+        cache.reset_rows(0)
+        parts, order = [], []
+        for g in groups:
+            part_cache, hidden, logits = self._prefill_group([prompts[i] for i in g], last_logits)
+            cache.append_rows(part_cache)
+            parts.append((hidden, logits))
+            order += g
+        back = sorted(range(len(order)), key=order.__getitem__)  # merged row -> prompt order
+        cache.select_rows(back)
+        logits = torch.cat([lg for _, lg in parts])[back] if last_logits else None
+        hidden = None
+        if parts[0][0] is not None:
+            width = max(len(p) for p in prompts)
+            hidden = []
+            for layer in range(len(parts[0][0])):
+                rows = [h[layer][r] for h, _ in parts for r in range(h[layer].shape[0])]
+                out = rows[0].new_zeros(len(prompts), width, rows[0].shape[-1])
+                for merged, prompt_index in enumerate(order):
+                    n = len(prompts[prompt_index])
+                    out[prompt_index, :n] = rows[merged][:n]
+                hidden.append(out)
+        return cache, hidden, logits
+
+    def _prefill_group(self, prompts: list[list[int]], last_logits: bool):
         cache = self.new_cache()
         cache.reset_rows(len(prompts))
         if max(len(p) for p in prompts) == 0:
@@ -163,3 +195,27 @@ class ModelRunner:
             column = torch.tensor([ends.index(len(p) - 1) for p in prompts], device=out.logits.device)
             logits = out.logits[rows, column]
         return cache, out.hidden, logits
+
+
+# A prefill group's padded grid (rows x longest prompt) may exceed its real tokens by this much.
+PREFILL_PADDING = 0.25
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
+    """Prompt indices in groups for prefill: by rising length, a prompt joins the current group
+    while the group's padded grid stays within (1 + padding) x its real tokens.
+
+    16 prompts of 42 to 516 tokens (float32, 2-core EPYC): one packed call ~8.3 s, row by row
+    ~6.7 s, sorted groups of 4 ~6.2 s (the padded forward before packing: ~18 s)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= (1 + padding) * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups

@@ -97,6 +97,40 @@ def test_ragged_rows_run_their_projections_and_lm_head_on_real_tokens_only(monke
         assert not together[r, n:].any()  # padding: zeros, never read
 
 
+def test_prefill_groups_prompts_of_similar_length():
+    from dspark.runner import prefill_groups
+
+    assert prefill_groups([50, 500, 52, 480, 49, 7]) == [[5], [4, 0, 2], [3, 1]]
+    assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
+    assert prefill_groups([10, 10, 10], padding=0.0) == [[0, 1, 2]]
+    assert prefill_groups([9, 10], padding=0.0) == [[0], [1]]
+
+
+def test_a_grouped_prefill_is_the_one_call_prefill(monkeypatch):
+    """Prompts of 40, 7 and 23 tokens prefill in three calls on CPU; the merged cache, logits
+    and hidden states are in prompt order and decode exactly as one padded call's would."""
+    model = tiny_model("llama", 256, seed=7, layers=2)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 7, 23)]
+    grouped = ModelRunner(model, hidden_layers=(1,))
+    calls = []
+    one = grouped._prefill_group
+    monkeypatch.setattr(grouped, "_prefill_group", lambda ps, last: calls.append(len(ps)) or one(ps, last))
+    grouped.cache, g_hidden, g_logits = grouped.prefill_with_logits(prompts)
+    assert calls == [1, 1, 1]
+    single = ModelRunner(model, hidden_layers=(1,))
+    single.packs_ragged_blocks = False  # one padded call
+    single.cache, s_hidden, s_logits = single.prefill_with_logits(prompts)
+    torch.testing.assert_close(g_logits, s_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(real_positions(g_hidden[0], [40, 7, 23]), real_positions(s_hidden[0], [40, 7, 23]), rtol=1e-5, atol=1e-5)
+    assert grouped.cache.lengths.tolist() == [40, 7, 23]
+    blocks = [([5, 6], [-1, 0]), ([7], [-1]), ([8, 9, 10], [-1, 0, 1])]
+    torch.testing.assert_close(
+        real_positions(grouped.forward_block(blocks).logits, [2, 1, 3]),
+        real_positions(single.forward_block(blocks).logits, [2, 1, 3]), rtol=1e-5, atol=1e-5,
+    )
+
+
 def test_lean_final_hidden_state_is_what_the_lm_head_reads():
     model = tiny_model("llama", 256, seed=4, layers=2)
     runner = ModelRunner(model, hidden_layers=(2,))
