@@ -249,8 +249,8 @@ def measure_batch_costs(
     w wide (`BatchCostTable.one_wide`). Keeps the fastest of at least `reps` runs, more (up to
     `max_reps`) while a row count has taken under `seconds_per_row_count`: on a shared machine
     noise only ever adds time, and cheap shapes (one row) can afford the samples that keep
-    their small differences, which decide how deep to verify, from being noise. One batched prefill serves every R (largest first, then rows
-    are dropped)."""
+    their small differences, which decide how deep to verify, from being noise. One batched
+    prefill serves every R (largest first, then rows are dropped)."""
     from dspark.runner import ModelRunner  # local: runner imports models, keep this module light
 
     runner = ModelRunner(target.model)

@@ -161,16 +161,16 @@ class ModelRunner:
             cache.append_rows(part_cache)
             parts.append((hidden, logits))
             order += g
-        back = torch.tensor(sorted(range(len(order)), key=order.__getitem__))  # prompt i is merged row back[i]
-        cache.select_rows(back.tolist())
-        logits = torch.cat([lg for _, lg in parts])[back.to(self.device)] if last_logits else None
+        back = sorted(range(len(order)), key=order.__getitem__)  # prompt i is merged row back[i]
+        cache.select_rows(back)
+        logits = torch.cat([lg for _, lg in parts])[back] if last_logits else None
         hidden = None
         if parts[0][0] is not None:
             width = max(len(p) for p in prompts)
 
             def merged(layer: int) -> torch.Tensor:  # [B, width, d] in prompt order, zeros past each prompt
                 rows = [F.pad(h[layer], (0, 0, 0, width - h[layer].shape[1])) for h, _ in parts]
-                return torch.cat(rows)[back.to(rows[0].device)]
+                return torch.cat(rows)[back]
 
             hidden = [merged(layer) for layer in range(len(parts[0][0]))]
         return cache, hidden, logits

@@ -82,8 +82,8 @@ def test_ragged_rows_run_their_projections_and_lm_head_on_real_tokens_only(monke
     assert runner.packs_ragged_blocks
     runner.cache, _, _ = runner.prefill_with_logits(prompts)
     seen = []
-    for name in ("q_proj", "down_proj", "lm_head"):
-        module = model.lm_head if name == "lm_head" else model.model.layers[0].self_attn.q_proj if name == "q_proj" else model.model.layers[0].mlp.down_proj
+    layer = model.model.layers[0]
+    for name, module in (("q_proj", layer.self_attn.q_proj), ("down_proj", layer.mlp.down_proj), ("lm_head", model.lm_head)):
         forward = module.forward
         monkeypatch.setattr(module, "forward", lambda x, forward=forward, name=name: seen.append((name, x.numel() // x.shape[-1])) or forward(x))
     together = runner.forward_block(blocks).logits
