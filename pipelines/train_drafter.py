@@ -9,7 +9,8 @@ Stages (all by default, each resumable; rerun the same command to continue):
              cap prompt lengths, as one number or per domain ({default: 256, summarization: 768})
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/runs/<run>
              (over the reduced draft vocabulary with `train.reduced_vocab: true`)
-  calibrate  Sequential Temperature Scaling on the calib split (plus per-position offsets with
+  calibrate  fits the copy prior's n-gram bonuses (`copy_prior:` in the config) by greedy tau,
+             then Sequential Temperature Scaling, on the calib split (plus per-position offsets with
              `calibration_offsets: true`); writes the final checkpoint (safetensors +
              config.json with the calibration and the target fingerprint) to `output`,
              plus draft_vocab.safetensors when the config sets `draft_vocab: N` (the drafter
@@ -131,7 +132,9 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
             plan,
             work / "cache" / split,
             mcfg.target_layers,
-            mcfg.context_len,
+            # prompt positions cached before each answer: the drafter's window, or more
+            # (`generate.cache_positions`) so that the copy prior sees the whole prompt
+            max(mcfg.context_len, int(gc.get("cache_positions") or 0)),
             batch_size=int(gc.get("batch_size", 32)),
             max_new_tokens=int(gc.get("max_new_tokens", 128)),
             shard_size=int(gc.get("shard_size", 64)),
@@ -231,36 +234,52 @@ def _init_from(cfg: dict, work: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) -> dict:
-    import numpy as np
+def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, init_from: str | Path | None = None) -> dict:
+    """Fit the copy prior (when the config has `copy_prior`) and the confidence calibration on
+    the calib split, measure eval tau, write the checkpoint. The weights come from the train
+    stage's state or, when there is none, from the `--init-from` checkpoint (re-calibrating
+    a shipped drafter whose training state is gone)."""
+    import torch
 
     from dspark.dspark_drafter import Fingerprint, build_model, save_checkpoint
     from dspark.dspark_drafter.calibration import sequential_temperature_scaling
+    from dspark.dspark_drafter.checkpoint import warm_start
+    from dspark.dspark_drafter.copy_prior import adjust_logits, fit_confidence
     from dspark.dspark_drafter.vocab import VOCAB_FILE, save_draft_vocab
     from dspark.training.trainer import evaluate, load_state
 
     readers = _readers(work)
     model = build_model(model_config(cfg, target), target.model)
-    import torch
-
     counters = load_state(state_dir(cfg, work), model, torch.optim.AdamW(model.parameters()))
+    source = None
     if counters is None:
-        raise SystemExit(f"no training state in {state_dir(cfg, work)}: run the train stage first")
+        if not init_from:
+            raise SystemExit(f"no training state in {state_dir(cfg, work)}: run the train stage first (or pass --init-from CHECKPOINT)")
+        source = warm_start(model, init_from, target)
+        log(f"calibrate: the weights of {init_from} (no training state in {state_dir(cfg, work)})")
     split = "calib" if "calib" in readers else "eval"
     ev = cfg.get("eval") or {}
-    vocab, vocab_info = draft_vocabulary(cfg, target, work, run_folder=state_dir(cfg, work))
+    stride, max_blocks = int(ev.get("stride", 2)), ev.get("max_blocks")
+    if source is not None and source.draft_vocab is not None and cfg.get("draft_vocab"):
+        vocab = source.draft_vocab  # the vocabulary those weights were trained over
+        vocab_info = (source.extra or {}).get("draft_vocab")
+    else:
+        vocab, vocab_info = draft_vocabulary(cfg, target, work, run_folder=state_dir(cfg, work))
     if vocab is not None:
         log(f"draft vocabulary: {vocab_info}")
-    res = evaluate(model, readers[split], list(range(len(readers[split].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
+    calib_rows = list(range(len(readers[split].rows)))
+    copy, copy_info = fit_copy_prior(cfg, model, readers[split], calib_rows, vocab, log)
+    res = evaluate(model, readers[split], calib_rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
+    if copy is not None:  # steps that copy are accepted more often than the head alone can tell
+        copy = copy.with_confidence(fit_confidence(res.conf_logits, res.accepted, res.copy_class))
+        res.conf_logits = adjust_logits(copy, res.conf_logits, res.copy_class)
+        log(f"copy prior confidence per match class (scale, shift): {copy.to_dict()['confidence']}")
     sts = sequential_temperature_scaling(res.conf_logits, res.accepted, offsets=bool(cfg.get("calibration_offsets")))
     offsets = f", b = {[round(b, 2) for b in sts.offsets]}" if sts.offsets else ""
     log(f"calibrate on {split} ({len(res.domains)} blocks): T = {[round(t, 3) for t in sts.temperatures]}{offsets}, "
         f"ECE {sts.ece_before:.4f} -> {sts.ece_after:.4f}, AUC {sts.auc_before:.3f} -> {sts.auc_after:.3f}")
-    extra = {
-        "calibration_split": split,
-        "calibration_blocks": len(res.domains),
-        "sts": sts.__dict__,
-        "training": {
+    if counters is not None:
+        training = {
             "steps": counters["step"],
             "wall_s": counters["wall_s"],
             "cpu_hours": counters["cpu_s"] / 3600.0,
@@ -270,14 +289,27 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
             "history": counters.get("history", [])[-5:],
             "config": counters.get("config"),
             "init_from": _init_from(cfg, work),
-        },
+        }
+    else:
+        training = {**((source.extra or {}).get("training") or {}), "weights_from": str(init_from)}
+    extra = {
+        "calibration_split": split,
+        "calibration_blocks": len(res.domains),
+        "sts": sts.__dict__,
+        "training": training,
         "draft_vocab": vocab_info,
+        **({"copy_prior_fit": copy_info} if copy_info else {}),
     }
     if "eval" in readers:
-        er = evaluate(model, readers["eval"], list(range(len(readers["eval"].rows))), int(ev.get("stride", 2)), ev.get("max_blocks"), draft_vocab=vocab)
+        eval_rows = list(range(len(readers["eval"].rows)))
+        er = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
         extra["eval_tau_greedy"] = er.tau_by_domain()
         log(f"eval tau (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
-    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets)
+        if copy is not None:
+            off = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab)
+            extra["eval_tau_greedy_without_copy"] = off.tau_by_domain()
+            log(f"eval tau without the copy prior: {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy_without_copy'].items()})}")
+    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets, copy_prior=copy)
     stale = output / VOCAB_FILE
     if vocab is not None:
         save_draft_vocab(output, vocab)
@@ -285,6 +317,27 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger) ->
         stale.unlink()
     log(f"checkpoint written to {output} ({sum(f.stat().st_size for f in output.iterdir()) / 1e6:.1f} MB)")
     return extra
+
+
+def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger):
+    """(CopyPrior, fit record) from the config's `copy_prior: {orders, grid, stride}`:
+    coordinate ascent of greedy tau on `rows` (the calib split); (None, None) without one."""
+    from dspark.dspark_drafter.copy_prior import fit_bonuses
+    from dspark.training.trainer import evaluate_copy_priors
+
+    spec = cfg.get("copy_prior")
+    if not spec:
+        return None, None
+    stride = int(spec.get("stride", 4))
+
+    def score(priors):
+        return [r.tau() for r in evaluate_copy_priors(model, reader, rows, priors, stride, draft_vocab=vocab)]
+
+    best, tried = fit_bonuses(score, spec.get("orders", [2, 3, 4]), spec.get("grid", [2, 4, 8, 16, 32]))
+    log(f"copy prior on {len(rows)} calib answers (stride {stride}, {len(tried)} tried): {best.to_dict()}, "
+        f"tau {tried[0][1]:.3f} without -> {max(t for _, t in tried):.3f}")
+    info = {"stride": stride, "tried": [[p.to_dict(), round(t, 4)] for p, t in tried]}
+    return (best if best.active else None), info
 
 
 def draft_vocabulary(cfg: dict, target, work: Path, run_folder: Path | None = None):
@@ -330,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "--init-from",
         metavar="CHECKPOINT",
         help="a fresh train run starts from this drafter checkpoint's weights (same architecture and target; "
-        "e.g. the shipped one, to continue it on more data) instead of random ones",
+        "e.g. the shipped one, to continue it on more data) instead of random ones; the calibrate stage "
+        "without a training state re-calibrates this checkpoint (e.g. to fit a copy prior)",
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -357,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in stages:
         stage_train(cfg, target, work, log, deadline, progress=not args.no_progress, init_from=args.init_from)
     if "calibrate" in stages:
-        stage_calibrate(cfg, target, work, output, log)
+        stage_calibrate(cfg, target, work, output, log, init_from=args.init_from)
     return 0
 
 

@@ -20,6 +20,7 @@ from dspark.dspark_drafter import (
     save_checkpoint,
 )
 from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
+from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, adjust_logits
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
 from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
@@ -555,3 +556,89 @@ def test_checkpoint_carries_its_draft_vocabulary(tmp_path, target):
     save_draft_vocab(tmp_path / "ck", torch.tensor([2, 4, 500]))  # 500 >= vocab size 96
     with pytest.raises(ValueError, match="inside the vocabulary"):
         load_drafter(tmp_path / "ck", target)
+
+
+# ---------------------------------------------------------------- copy prior
+
+
+def test_copy_prior_copies_a_repeated_phrase_even_outside_the_draft_vocabulary(target):
+    model = make_model(target)
+    subset = torch.tensor([0, 1, 2, 3])  # none of the phrase's tokens
+    prior = CopyPrior(((3, 1e4),))  # overwhelming: the chain must follow the earlier occurrence
+    drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset, copy=prior)
+    req = DraftRequest(0, [40, 41, 42, 43, 44, 40, 41], SamplingParams())
+    drafter.start(req, fake_hidden(drafter, 6))
+    (tree,) = drafter.propose([req], 5)
+    tree.validate(96)
+    assert tree.tokens == [42, 43, 44, 40, 41]  # (40, 41) -> 42 -> 43 -> 44, then along the path itself
+    # committed tokens join the index: after the round the phrase continues from the new tail
+    req.token_ids += [42, 43]
+    drafter.observe(req, VerifyOutcome(0, tree, [0], 43, hidden=fake_hidden(drafter, 2, seed=1)))
+    assert req.state["ngrams"].size == len(req.token_ids)
+    assert drafter.propose([req], 2)[0].tokens == [44, 40]
+    # without the prior: only draft-vocabulary tokens
+    plain = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset)
+    plain.start(req, fake_hidden(drafter, 8))
+    assert set(plain.propose([req], 5)[0].tokens) <= set(subset.tolist())
+
+
+@pytest.mark.parametrize("vocab", [None, "reduced"])
+def test_runtime_copy_chain_equals_the_offline_walk(target, vocab):
+    """The engine plug-in proposes exactly the chain the offline evaluation scores: the
+    Markov walk with the copy bonuses, copied tokens scored from their LM-head rows."""
+    from dspark.training.trainer import free_running
+
+    model = make_model(target)
+    with torch.no_grad():
+        model.markov_w2.normal_()
+    subset = None if vocab is None else torch.tensor(sorted({3, 5, 6, 10, 11, 40, 41, 77, 90}))
+    # small bonuses: in these chains some steps copy, others follow the model; confidence
+    # corrections per match class as a calibrated checkpoint has them
+    prior = CopyPrior(((2, 0.6), (3, 1.2)), ((0, 1.0, -0.5), (2, 0.5, 1.0), (3, 2.0, 0.25)))
+    drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset, copy=prior)
+    seen_classes = set()
+    for seed, tokens in enumerate(([5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2, 4, 1, 2], [9, 8, 9, 8, 9])):
+        req = DraftRequest(0, list(tokens), SamplingParams())
+        hidden = fake_hidden(drafter, len(tokens) - 1, seed=seed)
+        drafter.start(req, hidden)
+        (tree,) = drafter.propose([req], 5)
+        with torch.no_grad():
+            ctx = model.project_context(torch.cat(hidden, dim=-1)[-model.cfg.context_len :])[None]
+            out = model.forward_block(ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool), torch.tensor([tokens[-1]]), 5)
+            masked = out.base_logits.clone()
+            if subset is not None:
+                forbid = torch.full((96,), float("-inf"))
+                forbid[subset] = 0.0
+                masked = masked + forbid
+            chain, conf, classes = free_running(model, masked, out.conf_h, torch.tensor([tokens[-1]]), True, prior,
+                                                [(NgramIndex(prior.orders, tokens), list(tokens))], out.base_logits)
+        assert tree.tokens == chain[0].tolist()
+        adjusted = adjust_logits(prior, conf[0].numpy(), classes[0].numpy())  # the class corrections
+        assert tree.confidence == pytest.approx((1 / (1 + np.exp(-adjusted))).tolist(), abs=1e-5)
+        seen_classes.update(classes[0].tolist())
+    assert seen_classes == {0, 2, 3}  # steps without a match, and with matches of both orders
+
+
+def test_copy_prior_sampling_q_covers_copied_tokens_outside_the_vocabulary(target):
+    subset = torch.tensor([1, 2, 3])
+    prior = CopyPrior(((2, 6.0),))
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3, draft_vocab=subset, copy=prior)
+    req = DraftRequest(0, [50, 60, 50, 60, 50], SamplingParams(temperature=1.0))
+    drafter.start(req, fake_hidden(drafter, 4))
+    (tree,) = drafter.propose([req], 4)
+    for tok, q in zip(tree.tokens, tree.q):
+        assert q.shape == (96,) and float(q.sum()) == pytest.approx(1.0, abs=1e-5)
+        assert q[tok] > 0
+        allowed = set(subset.tolist()) | {50, 60}  # the vocabulary plus what the prior copies
+        assert set(torch.nonzero(q).flatten().tolist()) <= allowed
+    assert float(tree.q[0][60]) > 0  # after 50 the sequence had 60: its column exists
+
+
+def test_checkpoint_carries_its_copy_prior(tmp_path, target):
+    model = make_model(target)
+    prior = CopyPrior(((2, 0.0), (3, 8.0)))
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), copy_prior=prior)
+    assert load_drafter(tmp_path / "ck", target).copy == prior
+    assert load_drafter(tmp_path / "ck", target, copy_prior=False).copy is None
+    save_checkpoint(tmp_path / "none", model, Fingerprint.of(target))
+    assert load_drafter(tmp_path / "none", target).copy is None

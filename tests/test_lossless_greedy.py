@@ -131,3 +131,21 @@ def test_embedded_smollm2_fp32(embedded_fp32, sched):
     gen = DSparkGenerator(embedded_fp32, "ngram", scheduler(sched), max_batch_size=3)
     results = gen.generate(ids, max_new_tokens=32)
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("drafter", ["dspark", "dspark+ngram"])
+def test_embedded_smollm2_fp32_with_the_shipped_drafter(embedded_fp32, drafter):
+    """The shipped DSpark drafter (reduced vocabulary, copy prior) with the dspark scheduler:
+    identical to transformers greedy, on prompts whose answers repeat the prompt's words."""
+    prompts = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+        "Write a Python function is_even(n) and then a second function is_odd(n) that calls is_even.",
+        "Summarise in one sentence: Maria Gonzalez, the mayor of Springfield, opened the new Springfield library.",
+    ]
+    ids = [embedded_fp32.encode(p) for p in prompts]
+    expected = [hf_greedy(embedded_fp32, p, 32) for p in ids]
+    gen = DSparkGenerator(embedded_fp32, drafter, scheduler("dspark"), max_batch_size=3)
+    results = gen.generate(ids, max_new_tokens=32)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.accepted for r in results) > 0

@@ -16,6 +16,7 @@ from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.drafters.union import UnionDrafter
 from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
+from dspark.dspark_drafter.copy_prior import CopyPrior
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
 from dspark.sampling import SamplingParams, probs_from_logits
@@ -158,18 +159,19 @@ def small_vocab_target():
     return small_vocab_target_on("cpu")
 
 
-def reduced_vocab_dspark_drafter(target) -> DSparkDrafter:
+def reduced_vocab_dspark_drafter(target, copy: CopyPrior | None = None) -> DSparkDrafter:
     """A random-weight DSpark drafter that may only propose 4 of the 8 tokens: its q is zero on
-    the other 4, which the target still produces (through the residual distribution)."""
+    the other 4, which the target still produces (through the residual distribution). With a
+    copy prior it also proposes what followed earlier occurrences, outside those 4 too."""
     torch.manual_seed(5)
     cfg = DSparkConfig.for_target(target.model.config, num_layers=1, context_len=4, gamma=3, markov_rank=4)
     model = build_model(cfg, target.model)
     with torch.no_grad():
         model.markov_w2.normal_()
-    return DSparkDrafter(model.to(target.device), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]))
+    return DSparkDrafter(model.to(target.device), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]), copy=copy)
 
 
-DRAFTER_KINDS = ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark+ngram"]
+DRAFTER_KINDS = ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark-copy-prior", "dspark+ngram"]
 
 
 @pytest.mark.parametrize("drafter_kind", DRAFTER_KINDS)
@@ -187,6 +189,8 @@ def check_engine_sampling(target, drafter_kind: str) -> None:
         drafter = DraftModelDrafter(wrap_model(draft, target.tokenizer, "d"), target)
     elif drafter_kind == "dspark-reduced-vocab":
         drafter = reduced_vocab_dspark_drafter(target)
+    elif drafter_kind == "dspark-copy-prior":  # (1, 2) -> 3 inside the vocabulary, (2, 3) -> 1 outside
+        drafter = reduced_vocab_dspark_drafter(target, CopyPrior(((2, 1.0), (3, 2.0))))
     elif drafter_kind == "dspark+ngram":  # a sampled chain and n-gram point masses as siblings
         drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
     else:

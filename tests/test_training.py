@@ -260,7 +260,7 @@ def test_offline_chain_equals_the_plugin_chain(cache_dir, target):
     with torch.no_grad():
         ctx = model.project_context(batch.ctx_feats)
         out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
-        toks, conf = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0])
+        toks, conf, _ = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0])
     drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[])
     req = DraftRequest(0, row["tokens"][: a + 1].tolist(), SamplingParams())
     m = len(LAYERS)
@@ -401,3 +401,31 @@ def test_a_sampled_pass_can_answer_only_the_shorter_train_prompts(target, tmp_pa
     stage_generate(cfg, target, tmp_path / "work", Logger(tmp_path / "log.txt"), deadline=None)
     answered = sorted(r["id"] for r in read_jsonl(tmp_path / "work" / "cache" / "train" / "answers.jsonl"))
     assert answered == sorted(ids + [f"{i}~s" for k, i in enumerate(ids) if k % 2])
+
+
+def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, target, tmp_path):
+    """`--stages calibrate --init-from CK` without a training state: the copy prior's bonuses
+    are fitted on calib by tau (the tiny target's answers repeat tokens, so copying pays), the
+    confidence gets its per-match-class correction, and the checkpoint carries both."""
+    import shutil
+
+    from pipelines.train_drafter import stage_calibrate
+
+    torch.manual_seed(0)
+    source = build_model(drafter_cfg(target), target.model)
+    save_checkpoint(tmp_path / "source", source, Fingerprint.of(target), extra={"training": {"steps": 7}}, dtype=torch.float32)
+    work = tmp_path / "work"
+    for split in ("calib", "eval"):
+        shutil.copytree(cache_dir, work / "cache" / split)
+    model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": {"orders": [2, 3], "grid": [2, 8, 32], "stride": 1}}
+    lines: list[str] = []
+    with pytest.raises(SystemExit, match="--init-from"):
+        stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append)
+    extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append, init_from=tmp_path / "source")
+    with_copy, without = extra["eval_tau_greedy"]["all"], extra["eval_tau_greedy_without_copy"]["all"]
+    assert with_copy > without + 0.2
+    drafter = load_drafter(tmp_path / "ck", target)
+    assert drafter.copy is not None and drafter.copy.active and drafter.copy.confidence
+    assert extra["training"]["steps"] == 7 and extra["copy_prior_fit"]["tried"]
+    assert any("copy prior on" in line for line in lines)

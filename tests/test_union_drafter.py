@@ -11,6 +11,7 @@ from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.drafters.union import UnionDrafter, merge_trees, outcome_for
 from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
+from dspark.dspark_drafter.copy_prior import CopyPrior
 from dspark.generator import DSparkGenerator
 from dspark.sampling import SamplingParams
 from dspark.tree import DraftTree
@@ -108,10 +109,22 @@ def test_a_union_is_built_from_its_spec(tiny_llama):
         make_drafter("ngram+nope", tiny_llama)
 
 
-def random_dspark(target) -> DSparkDrafter:
+def random_dspark(target, copy: CopyPrior | None = None, draft_vocab: torch.Tensor | None = None) -> DSparkDrafter:
     torch.manual_seed(3)
     cfg = DSparkConfig.for_target(target.model.config, num_layers=1, context_len=8, gamma=4, markov_rank=4)
-    return DSparkDrafter(build_model(cfg, target.model), eos_token_ids=[])
+    return DSparkDrafter(build_model(cfg, target.model), eos_token_ids=[], copy=copy, draft_vocab=draft_vocab)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("sched", ["fixed:4", "dspark"])
+def test_dspark_with_a_copy_prior_greedy_equals_plain_greedy(batch_size, sched, tiny_llama):
+    """Copied tokens (most outside the reduced vocabulary) only change what is proposed."""
+    prompts = ragged_prompts(6)
+    expected = [hf_greedy(tiny_llama, p, 16) for p in prompts]
+    drafter = random_dspark(tiny_llama, CopyPrior(((2, 4.0), (3, 8.0))), draft_vocab=torch.arange(0, 40))
+    results = DSparkGenerator(tiny_llama, drafter, scheduler(sched), max_batch_size=batch_size).generate(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.accepted for r in results) > 0
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

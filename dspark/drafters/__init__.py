@@ -7,6 +7,7 @@
     dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint),
                          drafting from the checkpoint's reduced vocabulary when it has one
     dspark-full[:PATH]   the same drafter over the whole vocabulary (for comparisons)
+    dspark-nocopy[:PATH] the same drafter without its copy prior (for comparisons)
     A+B[+...]            every listed drafter each round, their trees merged into one
                          (e.g. dspark+ngram: the block drafter plus lookup in the whole prompt)
 """
@@ -42,8 +43,11 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
 
         draft = load_model(arg, device=str(target.device), dtype=target.dtype)
         return DraftModelDrafter(draft, target)
-    if name in ("dspark", "dspark-full"):
+    if name in ("dspark", "dspark-full", "dspark-nocopy"):
         from dspark.dspark_drafter import load_drafter  # the trained block drafter (issue 3)
 
-        return load_drafter(arg or None, target, full_vocab=name == "dspark-full")
-    raise ValueError(f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH] or a union A+B")
+        return load_drafter(arg or None, target, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")
+    raise ValueError(
+        f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH], "
+        "dspark-nocopy[:PATH] or a union A+B"
+    )

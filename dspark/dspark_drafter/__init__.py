@@ -39,11 +39,13 @@ def load_drafter(
     allow_name_mismatch: bool = False,
     seed: int = 0,
     full_vocab: bool = False,
+    copy_prior: bool = True,
 ) -> DSparkDrafter:
     """Build the engine plug-in from a checkpoint directory (or None / "default" / "dspark"
     for the shipped one) for `target` (a dspark.models.TargetModel). Raises
     TargetMismatchError when the checkpoint belongs to another target. The drafter proposes
-    from the checkpoint's reduced vocabulary when it has one, unless `full_vocab`."""
+    from the checkpoint's reduced vocabulary when it has one, unless `full_vocab`, and with
+    the checkpoint's copy prior when it has one, unless `copy_prior` is False."""
     if path_or_default in (None, "", "default", "dspark"):
         path = default_checkpoint(target)
     else:
@@ -51,7 +53,14 @@ def load_drafter(
     model, ck = load_model_for_target(path, target, allow_name_mismatch=allow_name_mismatch)
     vocab = None if full_vocab else ck.draft_vocab
     return DSparkDrafter(
-        model, ck.temperatures, options=options, eos_token_ids=target.eos_token_ids, seed=seed, draft_vocab=vocab, offsets=ck.offsets
+        model,
+        ck.temperatures,
+        options=options,
+        eos_token_ids=target.eos_token_ids,
+        seed=seed,
+        draft_vocab=vocab,
+        offsets=ck.offsets,
+        copy=ck.copy_prior if copy_prior else None,
     )
 
 

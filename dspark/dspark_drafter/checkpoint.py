@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark.dspark_drafter.copy_prior import CopyPrior
 from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
 from dspark.dspark_drafter.vocab import read_draft_vocab
 
@@ -77,6 +78,7 @@ class Checkpoint:
     target: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration figures, training card data
     draft_vocab: torch.Tensor | None = None  # sorted token ids the drafter proposes from; None = all
+    copy_prior: CopyPrior | None = None  # n-gram copy bonuses fitted on the calibration split
 
 
 def save_checkpoint(
@@ -87,6 +89,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     offsets: list[float] | None = None,
+    copy_prior: CopyPrior | None = None,
 ) -> Path:
     """Write weights (in `dtype`, bf16 by default: half the size) and config atomically."""
     out = Path(path)
@@ -97,7 +100,11 @@ def save_checkpoint(
         "format": FORMAT,
         "version": VERSION,
         "architecture": model.cfg.to_dict(),
-        "calibration": {"temperatures": temperatures, **({"offsets": offsets} if offsets is not None else {})},
+        "calibration": {
+            "temperatures": temperatures,
+            **({"offsets": offsets} if offsets is not None else {}),
+            **({"copy_prior": copy_prior.to_dict()} if copy_prior is not None else {}),
+        },
         "target": fp,
         "extra": extra or {},
     }
@@ -127,6 +134,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         target=meta.get("target") or {},
         extra=meta.get("extra") or {},
         draft_vocab=read_draft_vocab(p, config.vocab_size),
+        copy_prior=CopyPrior.from_dict((meta.get("calibration") or {}).get("copy_prior")),
     )
 
 

@@ -21,6 +21,12 @@ proportion to the drafter's own probabilities (a function of the ancestors only)
 With a reduced draft vocabulary (`dspark.dspark_drafter.vocab`) every distribution above is
 over those tokens only; a sampled chain's q is zero elsewhere, which rejection sampling
 handles exactly.
+
+With a copy prior (`dspark.dspark_drafter.copy_prior`) each Markov step also adds a bonus to
+the tokens that followed the latest earlier occurrences of the path's last n-grams, in the
+committed sequence (`request.state["ngrams"]`) or along the drafted path itself. A copied
+token outside the draft vocabulary gets an extra column scored from its LM-head row, so
+distributions are over the draft vocabulary plus those columns (a sampled chain's q too).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
+from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.dspark_drafter.vocab import DraftVocab
 from dspark.sampling import probs_from_logits
@@ -57,6 +64,7 @@ class DSparkDrafter(DrafterBase):
         seed: int = 0,
         draft_vocab: torch.Tensor | None = None,
         offsets: list[float] | None = None,
+        copy: CopyPrior | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.vocab = DraftVocab(self.model, draft_vocab)  # None: draft from the whole vocabulary
@@ -70,6 +78,11 @@ class DSparkDrafter(DrafterBase):
         self.eos = set(eos_token_ids or [])
         self.device = model.embed_weight.device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.copy = copy if copy is not None and copy.active else None
+        self._column = None  # token id -> its column in the draft vocabulary (-1 outside)
+        if self.copy is not None and self.vocab.token_ids is not None:
+            self._column = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long)
+            self._column[self.vocab.token_ids.cpu()] = torch.arange(self.vocab.size)
 
     # ------------------------------------------------------------- request lifecycle
 
@@ -87,13 +100,21 @@ class DSparkDrafter(DrafterBase):
         request.state["ctx_kv"] = new
         request.state["ctx_end"] = end + feats.shape[0]
 
+    def _index_tokens(self, request: DraftRequest) -> None:
+        if self.copy is None:
+            return
+        index = request.state.setdefault("ngrams", NgramIndex(self.copy.orders))
+        index.extend(request.token_ids[index.size :])
+
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        request.state.pop("ctx_kv", None)
-        request.state.pop("ctx_end", None)  # the engine keeps its own keys here (e.g. "generator")
+        for key in ("ctx_kv", "ctx_end", "ngrams"):  # the engine keeps its own keys here (e.g. "generator")
+            request.state.pop(key, None)
         self._append_context(request, prompt_hidden)
+        self._index_tokens(request)
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:
         self._append_context(request, outcome.hidden)
+        self._index_tokens(request)
 
     def finish(self, request: DraftRequest) -> None:
         request.state.clear()
@@ -133,60 +154,138 @@ class DSparkDrafter(DrafterBase):
         trees = [DraftTree() for _ in requests]
         greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
         if greedy:
-            self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], base_logits[greedy], conf_h[greedy], depth)
+            self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], base_logits[greedy], conf_h[greedy], h[greedy], depth)
         for b, r in enumerate(requests):
             if not r.sampling.greedy:
-                trees[b] = self._sampled_chain(r, base_logits[b], conf_h[b], depth)
+                trees[b] = self._sampled_chain(r, base_logits[b], conf_h[b], h[b], depth)
         return trees
 
-    def _step(self, base_logits: torch.Tensor, conf_h: torch.Tensor, rows: torch.Tensor, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(
+        self,
+        base_logits: torch.Tensor,
+        conf_h: torch.Tensor,
+        rows: torch.Tensor,
+        k: int,
+        prev: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        matches: list[dict[int, int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Markov step at depth k (0-based) for n parents: rows [n] index the batch, prev [n]
-        are the parents' tokens -> logits [n, Vd], calibrated confidences [n]. One call per
-        depth for the whole batch: W2 is read once (the step is memory-bound)."""
+        are the parents' tokens -> logits [n, Vd + E], calibrated confidences [n], and the
+        tokens of the E extra columns [n, E] (None without any). One call per depth for the
+        whole batch: W2 is read once (the step is memory-bound). `matches` (per parent: the
+        copy prior's n-gram matches) and `hidden` [B, G, d] apply the copy prior."""
         feat = self.model.markov_features(prev)
         logits = base_logits[rows, k] + self.vocab.markov_bias(feat)
         z = self.model.conf_logit(conf_h[rows, k], feat)
-        return logits, torch.sigmoid(z / float(self.temperatures[k]) + float(self.offsets[k]))
+        extra = None
+        if matches is not None:
+            if self.copy.confidence:  # the confidence correction of each parent's match class
+                z = torch.tensor([self.copy.adjust(v, match_class(m)) for v, m in zip(z.tolist(), matches)], dtype=z.dtype, device=z.device)
+            copies = [candidates_of(m, self.copy) for m in matches]
+            if any(copies):
+                logits, extra = self._add_copies(logits, copies, hidden[rows, k], feat)
+        conf = torch.sigmoid(z / float(self.temperatures[k]) + float(self.offsets[k]))
+        return logits, conf, extra
 
-    def _sampled_chain(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> DraftTree:
+    def _add_copies(
+        self, logits: torch.Tensor, copies: list[dict[int, float]], h: torch.Tensor, feat: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bonus to each parent's copied tokens: in place for draft-vocabulary tokens, as extra
+        columns (scored from the full LM-head row plus the Markov bias) for the others."""
+        logits = logits.clone()
+        inside: list[tuple[int, int, float]] = []
+        outside: list[tuple[int, int, float]] = []
+        for i, cands in enumerate(copies):
+            for tok, bonus in cands.items():
+                col = tok if self._column is None else int(self._column[tok])
+                (inside if col >= 0 else outside).append((i, col if col >= 0 else tok, bonus))
+        if inside:
+            r, c, b = zip(*inside)
+            logits[list(r), list(c)] += torch.tensor(b, dtype=logits.dtype, device=logits.device)
+        if not outside:
+            return logits, None
+        width = max(sum(1 for o in outside if o[0] == i) for i in {o[0] for o in outside})
+        ext = torch.full((logits.shape[0], width), float("-inf"), dtype=logits.dtype, device=logits.device)
+        ext_tok = torch.zeros(logits.shape[0], width, dtype=torch.long, device=logits.device)
+        r, t, b = (list(x) for x in zip(*outside))
+        tok = torch.tensor(t, device=logits.device)
+        score = (h[r].to(self.model.lm_head_weight.dtype) * self.model.lm_head_weight[tok]).sum(-1).float()  # U(tok) [m]
+        if feat is not None:
+            score = score + (feat[r].float() * self.model.markov_w2[tok].float()).sum(-1)  # + B(prev, tok)
+        score = score + torch.tensor(b, dtype=score.dtype, device=score.device)
+        slot: dict[int, int] = {}
+        for j, i in enumerate(r):
+            ext[i, slot.get(i, 0)], ext_tok[i, slot.get(i, 0)] = score[j], tok[j]
+            slot[i] = slot.get(i, 0) + 1
+        return torch.cat([logits, ext], dim=-1), ext_tok
+
+    def _column_tokens(self, columns: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """Columns [n, w] of a step's logits -> token ids [n, w] (extra columns: their tokens)."""
+        vd = self.vocab.size
+        inside = self.vocab.tokens(columns.clamp(max=vd - 1))
+        if extra is None:
+            return inside
+        return torch.where(columns < vd, inside, extra.gather(1, (columns - vd).clamp(min=0)))
+
+    def _full_q(self, q: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """A step's distribution [Vd + E] -> [V] over the whole vocabulary (rejection sampling's q)."""
+        full = self.vocab.to_full(q[: self.vocab.size])
+        if extra is not None:
+            full = full.index_add(0, extra.to(full.device), q[self.vocab.size :])
+        return full
+
+    def _matches(self, request: DraftRequest, path: list[int]) -> dict[int, int]:
+        """The copy prior's n-gram matches after the committed tokens plus a drafted `path`."""
+        suffix = request.token_ids[-self.copy.span :] + path if self.copy.span else path
+        return request.state["ngrams"].matches(suffix, self.copy, fresh=len(path))
+
+    def _sampled_chain(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, hidden: torch.Tensor, depth: int) -> DraftTree:
         tree = DraftTree()
-        prev, parent = request.token_ids[-1], -1
+        prev, parent, path = request.token_ids[-1], -1, []
         row = torch.zeros(1, dtype=torch.long, device=self.device)
         for k in range(depth):
-            logits, c = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device))
-            q = probs_from_logits(logits[0], request.sampling).cpu()  # [Vd]
+            matches = [self._matches(request, path)] if self.copy is not None else None
+            logits, c, extra = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device), hidden[None], matches)
+            q = probs_from_logits(logits[0], request.sampling).cpu()  # [Vd + E]
             gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
-            tok = int(self.vocab.tokens(torch.multinomial(q, 1, generator=gen)))
-            parent = tree.add(tok, parent, float(c[0]), self.vocab.to_full(q))
+            col = torch.multinomial(q, 1, generator=gen)
+            tok = int(self._column_tokens(col[None], None if extra is None else extra.cpu())[0, 0])
+            parent = tree.add(tok, parent, float(c[0]), self._full_q(q, None if extra is None else extra[0].cpu()))
             prev = tok
+            path.append(tok)
             if self.options.stop_at_eos and tok in self.eos:
                 break
         return tree
 
-    def _greedy_trees(self, requests: list[DraftRequest], trees: list[DraftTree], base_logits: torch.Tensor, conf_h: torch.Tensor, depth: int) -> None:
-        """Depth-synchronous greedy trees for a batch. A frontier entry is
-        (row, parent node, parent token, extension steps left; -1 = the main chain)."""
+    def _greedy_trees(
+        self, requests: list[DraftRequest], trees: list[DraftTree], base_logits: torch.Tensor, conf_h: torch.Tensor, hidden: torch.Tensor, depth: int
+    ) -> None:
+        """Depth-synchronous greedy trees for a batch. A frontier entry is (row, parent node,
+        drafted path to it (its last token is the parent's), extension steps left; -1 = the
+        main chain)."""
         opt = self.options
         width = max(1, opt.branch_width)
-        frontier = [(b, -1, r.token_ids[-1], -1) for b, r in enumerate(requests)]
+        frontier = [(b, -1, (), -1) for b in range(len(requests))]
         for k in range(depth):
-            frontier = [f for f in frontier if len(trees[f[0]]) < opt.max_nodes and not (opt.stop_at_eos and f[2] in self.eos and f[1] >= 0)]
+            frontier = [f for f in frontier if len(trees[f[0]]) < opt.max_nodes and not (opt.stop_at_eos and f[1] >= 0 and f[2][-1] in self.eos)]
             if not frontier:
                 return
             rows = torch.tensor([f[0] for f in frontier], dtype=torch.long, device=self.device)
-            prev = torch.tensor([f[2] for f in frontier], dtype=torch.long, device=self.device)
-            logits, conf = self._step(base_logits, conf_h, rows, k, prev)
+            prev = torch.tensor([f[2][-1] if f[2] else requests[f[0]].token_ids[-1] for f in frontier], dtype=torch.long, device=self.device)
+            matches = [self._matches(requests[b], list(path)) for b, _, path, _ in frontier] if self.copy is not None else None
+            logits, conf, extra = self._step(base_logits, conf_h, rows, k, prev, hidden, matches)
             logp = torch.log_softmax(logits, dim=-1)
             top_lp, top_i = torch.topk(logp, width, dim=-1)
-            top_p, top_i, conf = top_lp.exp().tolist(), self.vocab.tokens(top_i).tolist(), conf.tolist()
+            top_p, top_i, conf = top_lp.exp().tolist(), self._column_tokens(top_i, extra).tolist(), conf.tolist()
             nxt = []
-            for (b, parent, _, left), tp, ti, c in zip(frontier, top_p, top_i, conf):
+            for (b, parent, path, left), tp, ti, c in zip(frontier, top_p, top_i, conf):
                 tree = trees[b]
                 if len(tree) >= opt.max_nodes:
                     continue
                 node = tree.add(ti[0], parent, c)
                 if left < 0:  # main chain: continue, and branch where the top choices are close
-                    nxt.append((b, node, ti[0], -1))
+                    nxt.append((b, node, path + (ti[0],), -1))
                     if width > 1 and tp[1] >= opt.branch_ratio * tp[0]:
                         miss = (1.0 - c) / max(1e-6, 1.0 - tp[0])
                         for j in range(1, width):
@@ -194,7 +293,7 @@ class DSparkDrafter(DrafterBase):
                                 break
                             sib = tree.add(ti[j], parent, min(c, miss * tp[j]))
                             if opt.branch_extend > 0:
-                                nxt.append((b, sib, ti[j], opt.branch_extend))
+                                nxt.append((b, sib, path + (ti[j],), opt.branch_extend))
                 elif left > 1:
-                    nxt.append((b, node, ti[0], left - 1))
+                    nxt.append((b, node, path + (ti[0],), left - 1))
             frontier = nxt

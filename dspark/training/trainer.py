@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss
+from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.training.cache import Batch, CacheReader, anchors_for, make_batch
 
@@ -143,6 +144,7 @@ class EvalResult:
     conf_logits: np.ndarray  # [n, G] raw confidence logits along the drafted (free-running) chain
     l1: np.ndarray  # [n, G] ||p_d - p_t||_1 teacher forced (sampling at T = 1: acceptance = 1 - l1/2)
     domains: list[str]
+    copy_class: np.ndarray | None = None  # [n, G] the copy prior's match class per step (0: none)
 
     def tau(self, mask: np.ndarray | None = None) -> float:
         """Greedy tau = 1 + expected accepted prefix length (counts the bonus token)."""
@@ -162,21 +164,75 @@ class EvalResult:
         return pre.sum(0) / np.maximum(reach.sum(0), 1)
 
     def subset(self, mask: np.ndarray) -> "EvalResult":
-        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], [d for d, m in zip(self.domains, mask) if m])
+        cls = None if self.copy_class is None else self.copy_class[mask]
+        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], [d for d, m in zip(self.domains, mask) if m], cls)
 
 
-def free_running(model: DSparkModel, base_logits: torch.Tensor, conf_h: torch.Tensor, anchor: torch.Tensor, markov: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def free_running(
+    model: DSparkModel,
+    base_logits: torch.Tensor,
+    conf_h: torch.Tensor,
+    anchor: torch.Tensor,
+    markov: bool = True,
+    copy: CopyPrior | None = None,
+    lookups: list[tuple[NgramIndex, list[int]]] | None = None,
+    full_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy chain exactly as the drafter proposes it: x_k = argmax(U_k + B(x_{k-1})).
-    Returns tokens [B, G] and raw confidence logits [B, G]. markov=False drops the bias
-    (the Markov head switched off at inference)."""
-    prev, toks, confs = anchor, [], []
+    Returns tokens [B, G], raw confidence logits [B, G] and each step's copy match class
+    [B, G] (0: none). markov=False drops the bias (the Markov head switched off at
+    inference). With `copy`, each block's n-gram matches (`lookups`: per block its index of
+    the sequence up to the anchor and that sequence's tail) add their bonus to the copied
+    token, scored from `full_logits` (its LM-head row, also outside a reduced vocabulary), as
+    the run-time drafter does. The confidence logits are the head's own: the run-time drafter
+    also applies the prior's correction for each step's match class (`adjust_logits`)."""
+    prev, toks, confs, classes = anchor, [], [], []
+    use_copy = copy is not None and copy.active and lookups is not None
+    suffixes = [list(tail[-copy.span :]) for _, tail in lookups] if use_copy else []  # committed tail + drafted
     for k in range(base_logits.shape[1]):
         feat = model.markov_features(prev) if markov else None
-        logits = base_logits[:, k] + model.markov_bias(feat)
-        confs.append(model.conf_logit(conf_h[:, k], feat))
+        bias = model.markov_bias(feat)
+        logits = base_logits[:, k] + bias
+        z = model.conf_logit(conf_h[:, k], feat)
+        cls = torch.zeros(len(anchor), dtype=torch.long)
+        if use_copy:
+            full = (full_logits if full_logits is not None else base_logits)[:, k] + bias
+            rows, cols, bonus = [], [], []
+            for b, ((index, _), suffix) in enumerate(zip(lookups, suffixes)):
+                found = index.matches(suffix, copy, fresh=k)
+                cls[b] = match_class(found)
+                for tok, bo in candidates_of(found, copy).items():
+                    rows.append(b), cols.append(tok), bonus.append(bo)
+            if rows:
+                r, c = torch.tensor(rows), torch.tensor(cols)
+                logits = logits.clone()
+                logits[r, c] = full[r, c] + torch.tensor(bonus, dtype=logits.dtype)
+        confs.append(z)
+        classes.append(cls)
         prev = logits.argmax(-1)
         toks.append(prev)
-    return torch.stack(toks, 1), torch.stack(confs, 1)
+        if use_copy:
+            for suffix, x in zip(suffixes, prev.tolist()):
+                suffix.append(x)
+    return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(classes, 1)
+
+
+def _eval_items(reader: CacheReader, rows: list[int], gamma: int, stride: int, max_blocks: int | None) -> list[tuple[int, int]]:
+    items = [(r, a) for r in rows for a in anchors_for(reader.rows[r], gamma, stride, 0, full_blocks=True)]
+    if max_blocks is not None and len(items) > max_blocks:
+        keep = np.random.default_rng(12345).choice(len(items), max_blocks, replace=False)
+        items = [items[i] for i in sorted(keep)]
+    return items
+
+
+def _lookups(pool: ShardPool, chunk: list[tuple[int, int]], orders: tuple[int, ...]) -> list[tuple[NgramIndex, list[int]]]:
+    """Per block (in Batch order): an n-gram index of its row's tokens up to the anchor, and them."""
+    out = []
+    for r, anchors in group_by_row(chunk):
+        toks = pool.row(r)["tokens"].tolist()
+        for a in anchors:
+            out.append((NgramIndex(orders, toks[: a + 1]), toks[: a + 1]))
+    return out
 
 
 @torch.no_grad()
@@ -190,44 +246,73 @@ def evaluate(
     autocast: bool = False,
     markov: bool = True,
     draft_vocab: torch.Tensor | None = None,
+    copy: CopyPrior | None = None,
 ) -> EvalResult:
     """Offline greedy evaluation on full blocks with deterministic anchors (every `stride`):
     the drafter's free-running chain against the target's argmax from the cache. With
-    `draft_vocab` (token ids) the drafter may only propose those tokens, as at run time."""
+    `draft_vocab` (token ids) the drafter may only propose those tokens, as at run time; with
+    `copy` its copy prior looks the row's cached tokens up (the whole prompt when the cache
+    was built with a window that wide)."""
+    return evaluate_copy_priors(model, reader, rows, [copy], stride, max_blocks, batch_size, autocast, markov, draft_vocab)[0]
+
+
+@torch.no_grad()
+def evaluate_copy_priors(
+    model: DSparkModel,
+    reader: CacheReader,
+    rows: list[int],
+    priors: list[CopyPrior | None],
+    stride: int = 4,
+    max_blocks: int | None = None,
+    batch_size: int = 64,
+    autocast: bool = False,
+    markov: bool = True,
+    draft_vocab: torch.Tensor | None = None,
+) -> list[EvalResult]:
+    """`evaluate` for several copy priors at once: the drafter's forward runs once per block,
+    only the greedy walk per prior (what makes fitting the bonuses on a grid affordable)."""
     g, n = model.cfg.gamma, model.cfg.context_len
-    items = [(r, a) for r in rows for a in anchors_for(reader.rows[r], g, stride, 0, full_blocks=True)]
-    if max_blocks is not None and len(items) > max_blocks:
-        keep = np.random.default_rng(12345).choice(len(items), max_blocks, replace=False)
-        items = [items[i] for i in sorted(keep)]
+    items = _eval_items(reader, rows, g, stride, max_blocks)
     pool = ShardPool(reader, 2)
     was_training = model.training
     model.eval()
-    acc, conf, l1s, doms = [], [], [], []
+    acc = [[] for _ in priors]
+    conf = [[] for _ in priors]
+    cls = [[] for _ in priors]
+    l1s, doms = [], []
     forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
     if draft_vocab is not None:
         forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
         forbid[draft_vocab] = 0.0
+    orders = tuple(sorted({o for p in priors if p is not None for o in p.orders}))
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         batch = load_batch(pool, chunk, g, n)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ctx = model.project_context(batch.ctx_feats)
             out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
-        if forbid is not None:
-            out.base_logits = out.base_logits + forbid  # [B, G, V]
-        tl = target_logits(model, batch.final)
-        drafted, c = free_running(model, out.base_logits, out.conf_h, batch.tokens[:, 0], markov)
-        acc.append((drafted == tl.argmax(-1)).numpy())
-        conf.append(c.float().numpy())
+        full = out.base_logits.float()  # [B, G, V]
+        masked = full if forbid is None else full + forbid
+        target = target_logits(model, batch.final)
+        lookups = _lookups(pool, chunk, orders) if orders else None
+        for j, prior in enumerate(priors):
+            drafted, c, m = free_running(model, masked, out.conf_h, batch.tokens[:, 0], markov, prior, lookups, full)
+            acc[j].append((drafted == target.argmax(-1)).numpy())
+            conf[j].append(c.float().numpy())
+            cls[j].append(m.numpy())
         feat = model.markov_features(batch.tokens[:, :-1]) if markov else None
-        tf = (out.base_logits + model.markov_bias(feat)).float()  # teacher forced
-        l1s.append((tf.softmax(-1) - tl.softmax(-1)).abs().sum(-1).numpy())
+        tf = (masked + model.markov_bias(feat)).float()  # teacher forced
+        l1s.append((tf.softmax(-1) - target.softmax(-1)).abs().sum(-1).numpy())
         doms += [reader.rows[r].domain for r, anchors in group_by_row(chunk) for _ in anchors]
     model.train(was_training)
-    if not acc:
+    if not l1s:
         z = np.zeros((0, g))
-        return EvalResult(z, z, z, [])
-    return EvalResult(np.concatenate(acc).astype(np.float64), np.concatenate(conf), np.concatenate(l1s), doms)
+        return [EvalResult(z, z, z, [], z.astype(np.int64)) for _ in priors]
+    l1 = np.concatenate(l1s)
+    return [
+        EvalResult(np.concatenate(a).astype(np.float64), np.concatenate(c), l1, doms, np.concatenate(m))
+        for a, c, m in zip(acc, conf, cls)
+    ]
 
 
 # ------------------------------------------------------------------ state

@@ -1,0 +1,223 @@
+"""Context copy prior: n-gram matches in the sequence so far bias the Markov head's walk.
+
+The drafter sees only the last `context_len` target positions, so it cannot look up a name, a
+number or a phrase from further back; summaries, code edits and dialogue turns repeat them.
+Prompt lookup decoding copies the token that followed the most recent earlier occurrence of
+the last few tokens. Here that match does not replace the drafter: it adds a bonus alpha_o to
+the copied token's logit at each Markov step, so the drafter's own belief still decides
+between copying and not:
+
+    p_k(v) ∝ exp(U_k(v) + B(x_{k-1}, v) + sum_o alpha_o [v = follow_o(x_<k)])
+
+follow_o(x) is the token that followed the most recent earlier occurrence of x's last o - 1
+tokens in the committed sequence (prompt and output; drafted tokens only extend the suffix
+that is looked up). A copied token may lie outside the reduced draft vocabulary (copied
+names usually do); its logit then comes from its full LM-head row. The bonuses are a few
+scalars fitted on the calibration split (`fit_copy_prior`), stored in the checkpoint's config.
+Verification is unchanged, so outputs are too: only which tokens are proposed changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CopyPrior:
+    """Logit bonus per n-gram order (order o matches the last o - 1 tokens, o >= 2), and the
+    confidence head's correction per match class: a step whose longest match is of order o
+    (class 0: none) has its raw confidence logit z replaced by scale * z + shift. The class
+    depends on the path's tokens only, never on the token drafted at that step."""
+
+    bonuses: tuple[tuple[int, float], ...]  # ((order, bonus), ...), orders ascending
+    confidence: tuple[tuple[int, float, float], ...] = ()  # ((class, scale, shift), ...); absent: identity
+
+    def __post_init__(self) -> None:
+        orders = [o for o, _ in self.bonuses]
+        if any(o < 2 for o in orders) or len(set(orders)) != len(orders):
+            raise ValueError(f"copy prior orders must be distinct and >= 2, got {orders}")
+        if any(b < 0 for _, b in self.bonuses):
+            raise ValueError("copy prior bonuses must be >= 0")
+        object.__setattr__(self, "bonuses", tuple(sorted((int(o), float(b)) for o, b in self.bonuses)))
+        object.__setattr__(self, "confidence", tuple(sorted((int(c), float(a), float(b)) for c, a, b in self.confidence)))
+
+    @property
+    def orders(self) -> tuple[int, ...]:
+        return tuple(o for o, b in self.bonuses if b > 0)
+
+    @property
+    def orders_all(self) -> tuple[int, ...]:
+        """Every order the prior has a bonus for, zero ones included."""
+        return tuple(o for o, _ in self.bonuses)
+
+    def with_bonus(self, order: int, bonus: float) -> "CopyPrior":
+        return CopyPrior(tuple((o, bonus if o == order else b) for o, b in self.bonuses), self.confidence)
+
+    def with_confidence(self, confidence: dict[int, tuple[float, float]]) -> "CopyPrior":
+        return CopyPrior(self.bonuses, tuple((c, a, b) for c, (a, b) in confidence.items()))
+
+    def adjust(self, z: float, match_class: int) -> float:
+        """A raw confidence logit -> the one for a step of this match class."""
+        for c, scale, shift in self.confidence:
+            if c == match_class:
+                return scale * z + shift
+        return z
+
+    @property
+    def span(self) -> int:
+        """How many trailing tokens a lookup needs."""
+        return max(self.orders, default=1) - 1
+
+    @property
+    def active(self) -> bool:
+        return bool(self.orders)
+
+    def to_dict(self) -> dict:
+        out: dict = {"bonuses": {str(o): b for o, b in self.bonuses}}
+        if self.confidence:
+            out["confidence"] = {str(c): [a, b] for c, a, b in self.confidence}
+        return out
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "CopyPrior | None":
+        if not d:
+            return None
+        conf = tuple((int(c), float(a), float(b)) for c, (a, b) in (d.get("confidence") or {}).items())
+        return CopyPrior(tuple((int(o), float(b)) for o, b in d["bonuses"].items()), conf)
+
+
+class NgramIndex:
+    """For every order o, the token that followed the most recent occurrence of each
+    (o - 1)-gram of a growing sequence. `extend` is O(orders) per token."""
+
+    def __init__(self, orders: Sequence[int], tokens: Iterable[int] = ()) -> None:
+        self.orders = tuple(sorted(set(orders)))
+        self.follow: dict[int, dict[tuple[int, ...], int]] = {o: {} for o in self.orders}
+        self._tail: list[int] = []  # the last max(order) tokens
+        self.size = 0  # tokens seen
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        keep = max(self.orders, default=1)
+        for t in tokens:
+            t = int(t)
+            self.size += 1
+            self._tail.append(t)
+            for o in self.orders:
+                if len(self._tail) >= o:
+                    self.follow[o][tuple(self._tail[-o:-1])] = t
+            if len(self._tail) > keep:
+                del self._tail[0]
+
+    def matches(self, suffix: Sequence[int], prior: CopyPrior, fresh: int = 0) -> dict[int, int]:
+        """Order -> the token that followed the most recent earlier occurrence of `suffix`'s
+        last o - 1 tokens, for the prior's orders that have one. suffix: the sequence's last
+        tokens, of which the last `fresh` are drafted ones the index has not seen (give at
+        least `prior.span` tokens before them); occurrences among them come first."""
+        out: dict[int, int] = {}
+        n = len(suffix)
+        for o in prior.orders:
+            if o - 1 > n:
+                continue
+            key = tuple(suffix[n - o + 1 :])
+            tok = None
+            for i in range(n - 1, max(n - fresh, o - 1) - 1, -1):  # followers among the drafted tokens
+                if tuple(suffix[i - o + 1 : i]) == key:
+                    tok = suffix[i]
+                    break
+            if tok is None and o in self.follow:
+                tok = self.follow[o].get(key)
+            if tok is not None:
+                out[o] = int(tok)
+        return out
+
+    def candidates(self, suffix: Sequence[int], prior: CopyPrior, fresh: int = 0) -> dict[int, float]:
+        """Copy candidates after `suffix` (see `matches`) -> summed bonus."""
+        return candidates_of(self.matches(suffix, prior, fresh), prior)
+
+
+def candidates_of(matches: dict[int, int], prior: CopyPrior) -> dict[int, float]:
+    """`NgramIndex.matches` -> copied token -> summed bonus of the orders proposing it."""
+    bonus = dict(prior.bonuses)
+    out: dict[int, float] = {}
+    for o, tok in matches.items():
+        out[tok] = out.get(tok, 0.0) + bonus[o]
+    return out
+
+
+def match_class(matches: dict[int, int]) -> int:
+    """The longest matched order (0: no match): what the confidence correction keys on."""
+    return max(matches, default=0)
+
+
+def adjust_logits(prior: CopyPrior, z: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """`CopyPrior.adjust` over arrays: raw confidence logits and match classes, same shape."""
+    out = np.array(z, dtype=np.float64, copy=True)
+    for c, scale, shift in prior.confidence:
+        sel = classes == c
+        out[sel] = scale * out[sel] + shift
+    return out
+
+
+def fit_confidence(z: np.ndarray, accepted: np.ndarray, classes: np.ndarray, min_steps: int = 50) -> dict[int, tuple[float, float]]:
+    """Per match class, (scale, shift) maximising the likelihood of acceptance given
+    sigmoid(scale * z + shift) on the steps a chain reached (every earlier position accepted):
+    logistic regression on one feature (Newton steps). Classes with fewer than `min_steps`
+    steps keep the identity. z, accepted, classes: [n, G]."""
+    reached = np.concatenate([np.ones((len(accepted), 1)), np.cumprod(accepted, axis=1)[:, :-1]], axis=1) > 0
+    out: dict[int, tuple[float, float]] = {}
+    for c in sorted(set(np.unique(classes[reached]).tolist())):
+        sel = reached & (classes == c)
+        if sel.sum() < min_steps:
+            continue
+        x, y = z[sel].astype(np.float64), accepted[sel].astype(np.float64)
+        design = np.stack([x, np.ones_like(x)], axis=1)  # [m, 2]
+
+        def objective(w: np.ndarray) -> float:  # mean log-likelihood minus a tiny ridge (separable classes stay finite)
+            t = design @ w
+            return float(np.mean(y * t - np.logaddexp(0.0, t)) - 1e-4 * w @ w)
+
+        w = np.array([1.0, 0.0])
+        for _ in range(100):
+            p = 1.0 / (1.0 + np.exp(-np.clip(design @ w, -60, 60)))
+            grad = design.T @ (y - p) / len(y) - 2e-4 * w
+            hess = (design * (p * (1 - p))[:, None]).T @ design / len(y) + 2e-4 * np.eye(2)
+            step = np.linalg.solve(hess, grad)
+            t, before = 1.0, objective(w)
+            while objective(w + t * step) < before and t > 1e-6:  # damped Newton: never step downhill
+                t /= 2
+            w = w + t * step
+            if np.abs(t * step).max() < 1e-9:
+                break
+        out[int(c)] = (float(w[0]), float(w[1]))
+    return out
+
+
+def fit_bonuses(
+    score: Callable[[list[CopyPrior]], list[float]],
+    orders: Sequence[int],
+    grid: Sequence[float],
+    sweeps: int = 2,
+) -> tuple[CopyPrior, list[tuple[CopyPrior, float]]]:
+    """Coordinate ascent over one bonus per order: `score` rates candidate priors (higher is
+    better, e.g. held-out tau), all of a coordinate's untried grid values in one call so the
+    caller can share work between them. Starts from no copying; ties keep the smaller bonus.
+    Returns the best prior and every (prior, score) tried, each once."""
+    grid = sorted({float(v) for v in grid} | {0.0})
+    best = CopyPrior(tuple((int(o), 0.0) for o in orders))
+    scores = {best: score([best])[0]}
+    for _ in range(sweeps):
+        changed = False
+        for o in sorted(best.orders_all, reverse=True):  # long matches first: they are the precise ones
+            cands = [best.with_bonus(o, v) for v in grid]
+            new = [p for p in cands if p not in scores]
+            scores.update(zip(new, score(new) if new else []))
+            i = max(range(len(cands)), key=lambda j: (scores[cands[j]], -grid[j]))
+            if scores[cands[i]] > scores[best]:
+                best, changed = cands[i], True
+        if not changed:
+            break
+    return best, list(scores.items())
