@@ -10,11 +10,13 @@ between copying and not:
     p_k(v) ∝ exp(U_k(v) + B(x_{k-1}, v) + sum_o alpha_o [v = follow_o(x_<k)])
 
 follow_o(x) is the token that followed the most recent earlier occurrence of x's last o - 1
-tokens in the committed sequence (prompt and output; drafted tokens only extend the suffix
-that is looked up). A copied token may lie outside the reduced draft vocabulary (copied
-names usually do); its logit then comes from its full LM-head row. The bonuses are a few
-scalars fitted on the calibration split (`fit_copy_prior`), stored in the checkpoint's config.
-Verification is unchanged, so outputs are too: only which tokens are proposed changes.
+tokens in the sequence so far: the committed prompt and output, then the drafted path (an
+occurrence inside the path is the most recent). A copied token may lie outside the reduced
+draft vocabulary (copied names usually do); its logit then comes from its full LM-head row.
+The bonuses (`fit_bonuses`) and a confidence correction per match class (`fit_confidence`)
+are a few scalars fitted on the calibration split by the calibrate stage, stored in the
+checkpoint's config. Verification is unchanged, so outputs are too: only which tokens are
+proposed changes.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.dspark_drafter.losses import LossWeights, dspark_loss
 from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
+from dspark.dspark_drafter.losses import LossWeights, dspark_loss
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.training.cache import Batch, CacheReader, anchors_for, make_batch
 
