@@ -5,7 +5,8 @@ Writes DIR/report.md and PNG plots:
   tau per domain at fixed gamma (greedy, bonus token counted) for DSpark and the parallel-only
   ablation (paper Table 1 shape); per-position conditional acceptance (Fig. 2); a threshold
   sweep of tokens per step and acceptance rate (Fig. 5); reliability diagrams with ECE and
-  ROC-AUC of prefix survival before and after STS (Fig. 6).
+  ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6).
+  With a copy prior in the checkpoint, tau rows with and without it.
 
 Everything is computed from cached target states of the eval split (no engine run): the
 drafter's free-running greedy chain is compared with the target's argmax at every block
@@ -146,7 +147,8 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         label = f"parallel-only (Markov bias off at inference; no retrained ablation){vocab_note}"
         runs["parallel"] = (evaluate(model, reader, rows, stride, max_blocks, markov=False, draft_vocab=vocab), label)
     if vocab is not None:
-        runs["dspark_full_vocab"] = (evaluate(model, reader, rows, stride, max_blocks), "DSpark, whole vocabulary")
+        label = "DSpark, whole vocabulary" + ("" if copy is None else ", without the copy prior")
+        runs["dspark_full_vocab"] = (evaluate(model, reader, rows, stride, max_blocks), label)
     eval_s = time.time() - t0
     gamma = model.cfg.gamma
     results = {}
@@ -287,7 +289,9 @@ def _markdown(s: dict, files: list[str]) -> str:
         "## Calibration of prefix survival a_k = c_1...c_k",
         "",
         ("Confidence correction per copy match class (the step's longest matched n-gram order; "
-         f"z -> scale z + shift, fitted on the calib split before STS): {s['copy_prior'].get('confidence')}. "
+         "z -> scale z + shift, fitted on the calib split before STS): "
+         + ", ".join(f"class {c}: ({a:.3g}, {b:.3g})" for c, (a, b) in (s["copy_prior"].get("confidence") or {}).items())
+         + ". "
          if s.get("copy_prior") else "")
         + f"STS temperatures (fitted on the calib split): {', '.join(f'{t:.3g}' for t in s['temperatures'])}."
         + (f" Offsets (c_k = sigmoid(z_k / T_k + b_k), fitted with them): {', '.join(f'{b:.3g}' for b in s['offsets'])}." if s.get("offsets") else ""),
