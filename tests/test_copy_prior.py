@@ -71,7 +71,8 @@ def test_prior_validates_and_round_trips():
     prior = CopyPrior(((4, 8.0), (2, 0.0), (3, 8.0)), ((4, 0.5, 2.0), (0, 1.0, -0.5)))
     assert prior.bonuses == ((2, 0.0), (3, 8.0), (4, 8.0)) and prior.orders == (3, 4) and prior.span == 3
     assert CopyPrior.from_dict(prior.to_dict()) == prior
-    assert prior.adjust(3.0, 4) == 3.5 and prior.adjust(3.0, 0) == 2.5 and prior.adjust(3.0, 3) == 3.0  # class 3: identity
+    corrected = adjust_logits(prior, np.array([3.0, 3.0, 3.0]), np.array([4, 0, 3]))
+    assert corrected.tolist() == [3.5, 2.5, 3.0]  # class 3 has no correction: identity
     assert CopyPrior.from_dict(None) is None and CopyPrior.from_dict({}) is None
     with pytest.raises(ValueError, match=">= 2"):
         CopyPrior(((1, 1.0),))

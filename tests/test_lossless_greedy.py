@@ -117,6 +117,14 @@ def test_more_requests_than_batch_slots_and_mixed_lengths(tiny_llama):
     assert all(r.finish_reason in ("length", "eos") for r in short)
 
 
+def embedded_runs(target, prompts: list[str], drafter: str, sched: str, new_tokens: int = 32):
+    """The engine's results for chat prompts at batch 3, and transformers' greedy token ids."""
+    ids = [target.encode(p) for p in prompts]
+    expected = [hf_greedy(target, p, new_tokens) for p in ids]
+    results = DSparkGenerator(target, drafter, scheduler(sched), max_batch_size=3).generate(ids, max_new_tokens=new_tokens)
+    return results, expected
+
+
 @pytest.mark.embedded
 @pytest.mark.parametrize("sched", ["ar", "fixed:4", "threshold:0.7", "dspark", "dspark-ragged"])
 def test_embedded_smollm2_fp32(embedded_fp32, sched):
@@ -126,10 +134,7 @@ def test_embedded_smollm2_fp32(embedded_fp32, sched):
         "Write a Python function that returns the factorial of n.",
         "What is 17 times 23?",
     ]
-    ids = [embedded_fp32.encode(p) for p in prompts]
-    expected = [hf_greedy(embedded_fp32, p, 32) for p in ids]
-    gen = DSparkGenerator(embedded_fp32, "ngram", scheduler(sched), max_batch_size=3)
-    results = gen.generate(ids, max_new_tokens=32)
+    results, expected = embedded_runs(embedded_fp32, prompts, "ngram", sched)
     assert [r.token_ids for r in results] == expected
 
 
@@ -143,9 +148,6 @@ def test_embedded_smollm2_fp32_with_the_shipped_drafter(embedded_fp32, drafter):
         "Write a Python function is_even(n) and then a second function is_odd(n) that calls is_even.",
         "Summarise in one sentence: Maria Gonzalez, the mayor of Springfield, opened the new Springfield library.",
     ]
-    ids = [embedded_fp32.encode(p) for p in prompts]
-    expected = [hf_greedy(embedded_fp32, p, 32) for p in ids]
-    gen = DSparkGenerator(embedded_fp32, drafter, scheduler("dspark"), max_batch_size=3)
-    results = gen.generate(ids, max_new_tokens=32)
+    results, expected = embedded_runs(embedded_fp32, prompts, drafter, "dspark")
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted for r in results) > 0

@@ -61,13 +61,6 @@ class CopyPrior:
     def with_confidence(self, confidence: dict[int, tuple[float, float]]) -> "CopyPrior":
         return CopyPrior(self.bonuses, tuple((c, a, b) for c, (a, b) in confidence.items()))
 
-    def adjust(self, z: float, match_class: int) -> float:
-        """A raw confidence logit -> the one for a step of this match class."""
-        for c, scale, shift in self.confidence:
-            if c == match_class:
-                return scale * z + shift
-        return z
-
     @property
     def span(self) -> int:
         """How many trailing tokens a lookup needs."""
@@ -156,7 +149,8 @@ def match_class(matches: dict[int, int]) -> int:
 
 
 def adjust_logits(prior: CopyPrior, z: np.ndarray, classes: np.ndarray) -> np.ndarray:
-    """`CopyPrior.adjust` over arrays: raw confidence logits and match classes, same shape."""
+    """Raw confidence logits and their steps' match classes (same shape) -> the corrected
+    logits: scale * z + shift of each class the prior has a correction for, z otherwise."""
     out = np.array(z, dtype=np.float64, copy=True)
     for c, scale, shift in prior.confidence:
         sel = classes == c

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
+from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, adjust_logits, candidates_of, match_class
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.dspark_drafter.vocab import DraftVocab
 from dspark.sampling import probs_from_logits
@@ -181,7 +182,8 @@ class DSparkDrafter(DrafterBase):
         extra = None
         if matches is not None:
             if self.copy.confidence:  # the confidence correction of each parent's match class
-                z = torch.tensor([self.copy.adjust(v, match_class(m)) for v, m in zip(z.tolist(), matches)], dtype=z.dtype, device=z.device)
+                classes = np.array([match_class(m) for m in matches])
+                z = torch.from_numpy(adjust_logits(self.copy, z.cpu().numpy(), classes)).to(dtype=z.dtype, device=z.device)
             copies = [candidates_of(m, self.copy) for m in matches]
             if any(copies):
                 logits, extra = self._add_copies(logits, copies, hidden[rows, k], feat)
