@@ -2,15 +2,19 @@
 `python -m pipelines.drafter_report --config configs/train_smollm2.yaml [--out DIR]`.
 
 Writes DIR/report.md and PNG plots:
-  tau per domain at fixed gamma (greedy, bonus token counted) for DSpark and the parallel-only
-  ablation (paper Table 1 shape); per-position conditional acceptance (Fig. 2); a threshold
+  tau per domain at fixed gamma (greedy, bonus token counted, tokens per round as decoding
+  realises them) for DSpark and the parallel-only ablation (paper Table 1 shape); per-position conditional acceptance (Fig. 2); a threshold
   sweep of tokens per step and acceptance rate (Fig. 5); reliability diagrams with ECE and
   ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6).
   With a copy prior in the checkpoint, tau rows with and without it.
 
 Everything is computed from cached target states of the eval split (no engine run): the
 drafter's free-running greedy chain is compared with the target's argmax at every block
-position, which is exactly what greedy verification does. The ablation is a checkpoint trained
+position, which is exactly what greedy verification does. tau walks each answer round by round
+(a round at position p gains 1 + accepted tokens; the next starts where it ended), which needs
+every anchor (stride 1, the default). The average over all anchors is reported beside it: it
+weighs an easy stretch once per position in it, where decoding crosses it in a few rounds, so
+it overstates tokens per round. The ablation is a checkpoint trained
 with markov_rank 0 (configs/train_smollm2_parallel.yaml); without one, the report falls back to
 the DSpark model with its Markov bias switched off at inference and says so.
 """
@@ -133,6 +137,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     t0 = time.time()
     copy = ck.copy_prior
     copy_note = "" if copy is None else f", copy prior {copy.to_dict()['bonuses']}"
+    walk = stride == 1 and max_blocks is None  # a per-round walk needs every anchor
     res = evaluate(model, reader, rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
     steps = {"dspark": _trained_steps(ck)}
     runs = {"dspark": (res, f"DSpark (Markov rank {model.cfg.markov_rank}){_steps_label(steps['dspark'])}{vocab_note}{copy_note}")}
@@ -155,7 +160,8 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     for name, (r, label) in runs.items():
         results[name] = {
             "label": label,
-            "tau": r.tau_by_domain(),
+            "tau": r.tau_by_domain(decoded=walk),
+            "tau_per_anchor": r.tau_by_domain(),
             "per_position": r.per_position_acceptance().tolist(),
             "sampling_acceptance_T1": (1.0 - 0.5 * r.l1).mean(0).tolist(),
             "blocks": len(r.domains),
@@ -191,6 +197,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         "eval_sequences": len(rows),
         "blocks": len(res.domains),
         "anchor_stride": stride,
+        "tau_kind": "per round" if walk else "per anchor",
         "gamma": gamma,
         "temperatures": temps,
         "offsets": ck.offsets,
@@ -221,6 +228,22 @@ def _unequal_note(steps: dict) -> str:
     return ""
 
 
+_TAU_KINDS = {
+    "per round": "tau = tokens per round (accepted + the bonus token) as greedy decoding with this chain realises "
+    "them: each answer is walked from its first position, every round starting where the last one ended, up to its "
+    "last full block (`EvalResult.decoded_tau`).",
+    "per anchor": "tau = 1 + accepted prefix length averaged over anchors (anchor stride > 1 or subsampled blocks "
+    "cannot be walked round by round; this average overstates tokens per round).",
+}
+
+
+def _tau_table(r: dict, doms: list[str], key: str = "tau") -> list[str]:
+    lines = ["| drafter | " + " | ".join(doms) + " |", "| --- | " + " | ".join("---" for _ in doms) + " |"]
+    for res in r.values():
+        lines.append(f"| {res['label']} | " + " | ".join(f"{res[key].get(d, float('nan')):.3f}" for d in doms) + " |")
+    return lines
+
+
 def _markdown(s: dict, files: list[str]) -> str:
     r = s["results"]
     doms = [d for d in r["dspark"]["tau"] if d != "all"] + ["all"]
@@ -229,16 +252,16 @@ def _markdown(s: dict, files: list[str]) -> str:
         "",
         f"Checkpoint `{s['checkpoint']}`; evaluation split of the target cache ({s['eval_sequences']} sequences, "
         f"{s['blocks']} blocks, anchors every {s['anchor_stride']} answer positions, full blocks only), gamma {s['gamma']}, greedy. "
-        "tau = 1 + accepted prefix length (counts the bonus token); computed offline from cached target states: the drafter's "
-        "free-running greedy chain against the target's argmax at each block position.",
+        "Computed offline from cached target states: the drafter's free-running greedy chain against the target's argmax "
+        "at each block position. " + _TAU_KINDS[s.get("tau_kind", "per anchor")],
         "",
         "## tau per domain",
         "",
-        "| drafter | " + " | ".join(doms) + " |",
-        "| --- | " + " | ".join("---" for _ in doms) + " |",
+        *_tau_table(r, doms),
     ]
-    for res in r.values():
-        lines.append(f"| {res['label']} | " + " | ".join(f"{res['tau'].get(d, float('nan')):.3f}" for d in doms) + " |")
+    if s.get("tau_kind") == "per round":
+        lines += ["", "Averaged over every anchor instead (each position weighs the same; not tokens per round):", "",
+                  *_tau_table(r, doms, "tau_per_anchor")]
     model_only = r.get("dspark_no_copy", r["dspark"])  # the comparison is about the network: both without copying
     gain = model_only["tau"]["all"] / r["parallel"]["tau"]["all"] - 1
     copy_line = []
@@ -351,11 +374,10 @@ def write_card(path: Path, s: dict, command: str) -> None:
         "",
         "## Measured (offline, eval split, greedy, gamma " + str(s["gamma"]) + ", tau counts the bonus token)",
         "",
-        "| drafter | " + " | ".join(doms) + " |",
-        "| --- | " + " | ".join("---" for _ in doms) + " |",
+        _TAU_KINDS[s.get("tau_kind", "per anchor")],
+        "",
+        *_tau_table(r, doms),
     ]
-    for res in r.values():
-        lines.append(f"| {res['label']} | " + " | ".join(f"{res['tau'].get(d, float('nan')):.3f}" for d in doms) + " |")
     lines += [
         "",
         f"Prefix-survival calibration (STS fitted on calib, measured on eval): ECE {cal['before']['ece']:.4f} -> "
@@ -371,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", help="drafter checkpoint (default: the config's output)")
     ap.add_argument("--ablation", help="parallel-only checkpoint (default: the ablation config's output if present)")
     ap.add_argument("--out", default=None, help="report folder (default: <work_dir>/report)")
-    ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--stride", type=int, default=1, help="anchor stride; tau per round needs 1 (larger: per-anchor average only)")
     ap.add_argument("--max-blocks", type=int, default=None)
     ap.add_argument("--card", help="also write the checkpoint card (Markdown) to this path")
     ap.add_argument("--train-command", default="python -m pipelines.train_drafter --config configs/train_smollm2.yaml")

@@ -302,12 +302,14 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
     }
     if "eval" in readers:
         eval_rows = list(range(len(readers["eval"].rows)))
+        walk = stride == 1 and max_blocks is None  # tau per round needs every anchor
         er = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
-        extra["eval_tau_greedy"] = er.tau_by_domain()
-        log(f"eval tau (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
+        extra["eval_tau_kind"] = "per round" if walk else "per anchor"
+        extra["eval_tau_greedy"] = er.tau_by_domain(decoded=walk)
+        log(f"eval tau {extra['eval_tau_kind']} (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
         if copy is not None:
             off = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab)
-            extra["eval_tau_greedy_without_copy"] = off.tau_by_domain()
+            extra["eval_tau_greedy_without_copy"] = off.tau_by_domain(decoded=walk)
             log(f"eval tau without the copy prior: {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy_without_copy'].items()})}")
     save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets, copy_prior=copy)
     stale = output / VOCAB_FILE
@@ -320,23 +322,23 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
 
 
 def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger):
-    """(CopyPrior, fit record) from the config's `copy_prior: {orders, grid, stride}`:
-    coordinate ascent of greedy tau on `rows` (the calib split); (None, None) without one."""
+    """(CopyPrior, fit record) from the config's `copy_prior: {orders, grid}`: coordinate
+    ascent of greedy tau per round (every anchor evaluated, each answer walked round by round:
+    what decoding gains) on `rows` (the calib split); (None, None) without one."""
     from dspark.dspark_drafter.copy_prior import fit_bonuses
     from dspark.training.trainer import evaluate_copy_priors
 
     spec = cfg.get("copy_prior")
     if not spec:
         return None, None
-    stride = int(spec.get("stride", 4))
 
     def score(priors):
-        return [r.tau() for r in evaluate_copy_priors(model, reader, rows, priors, stride, draft_vocab=vocab)]
+        return [r.decoded_tau() for r in evaluate_copy_priors(model, reader, rows, priors, 1, draft_vocab=vocab)]
 
     best, tried = fit_bonuses(score, spec.get("orders", [2, 3, 4]), spec.get("grid", [2, 4, 8, 16, 32]))
-    log(f"copy prior on {len(rows)} calib answers (stride {stride}, {len(tried)} tried): {best.to_dict()}, "
+    log(f"copy prior on {len(rows)} calib answers ({len(tried)} tried): {best.to_dict()}, "
         f"tau {tried[0][1]:.3f} without -> {max(t for _, t in tried):.3f}")
-    info = {"stride": stride, "tried": [[p.to_dict(), round(t, 4)] for p, t in tried]}
+    info = {"objective": "greedy tau per round", "tried": [[p.to_dict(), round(t, 4)] for p, t in tried]}
     return (best if best.active else None), info
 
 

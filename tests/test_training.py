@@ -418,14 +418,61 @@ def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, t
     for split in ("calib", "eval"):
         shutil.copytree(cache_dir, work / "cache" / split)
     model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
-    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": {"orders": [2, 3], "grid": [2, 8, 32], "stride": 1}}
+    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": {"orders": [2, 3], "grid": [2, 8, 32]}}
     lines: list[str] = []
     with pytest.raises(SystemExit, match="--init-from"):
         stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append)
     extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append, init_from=tmp_path / "source")
+    assert extra["eval_tau_kind"] == "per round"  # stride 1: every answer walked round by round
     with_copy, without = extra["eval_tau_greedy"]["all"], extra["eval_tau_greedy_without_copy"]["all"]
     assert with_copy > without + 0.2
     drafter = load_drafter(tmp_path / "ck", target)
     assert drafter.copy is not None and drafter.copy.active and drafter.copy.confidence
     assert extra["training"]["steps"] == 7 and extra["copy_prior_fit"]["tried"]
     assert any("copy prior on" in line for line in lines)
+
+
+def test_decoded_tau_walks_the_answer_round_by_round():
+    """Per-round tau: each round starts where the last one ended, unlike the anchor average."""
+    from dspark.training.trainer import EvalResult
+
+    # one answer, gamma 2, anchors 10..15; a round at 10 gains 3 (both drafts accepted), at 13
+    # gains 2, at 15 gains 1: decoding visits 10, 13, 15 -> 6 tokens in 3 rounds
+    acc = np.array([[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [0, 1]], dtype=float)
+    z = np.zeros_like(acc)
+    res = EvalResult(acc, z, z, ["math"] * 6, None, np.zeros(6, np.int64), np.arange(10, 16))
+    assert res.decoded_tau() == 2.0
+    assert res.tau() == pytest.approx(1 + (2 + 2 + 2 + 1 + 2 + 0) / 6)  # every anchor weighs the same
+    # two answers pool their tokens and rounds; a domain mask picks answers
+    both = EvalResult(np.vstack([acc, [[0, 0], [1, 1]]]), np.zeros((8, 2)), np.zeros((8, 2)), ["math"] * 6 + ["chat"] * 2,
+                      None, np.array([0] * 6 + [1] * 2), np.concatenate([np.arange(10, 16), [4, 5]]))
+    # answer 1: anchor 4 gains 1, anchor 5 gains 3 -> 4 tokens in 2 rounds
+    assert both.tau_by_domain(decoded=True) == {"chat": 2.0, "math": 2.0, "all": 10 / 5}
+    with pytest.raises(ValueError, match="every anchor"):
+        both.subset(np.array([True, False] * 4)).decoded_tau()  # stride 2 cannot be walked
+
+
+def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cache_dir, target, tmp_path):
+    import shutil
+
+    from pipelines.drafter_report import build_report
+
+    torch.manual_seed(0)
+    model = drafter_with_live_heads(target)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), temperatures=[1.5, 1.0, 1.0, 0.5], dtype=torch.float32)
+    work = tmp_path / "work"
+    shutil.copytree(cache_dir, work / "cache" / "eval")
+    cfg = {"target": "tiny", "seed": 0, "work_dir": str(work)}
+    rd = CacheReader(work / "cache" / "eval")
+    res = evaluate(model, rd, list(range(len(rd.rows))), stride=1)
+
+    s = build_report(cfg, tmp_path / "report", tmp_path / "ck", None, None, stride=1)
+    assert s["tau_kind"] == "per round"
+    assert s["results"]["dspark"]["tau"] == pytest.approx(res.tau_by_domain(decoded=True))
+    assert s["results"]["dspark"]["tau_per_anchor"] == pytest.approx(res.tau_by_domain())
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "tokens per round" in md and "Averaged over every anchor instead" in md
+    assert all((tmp_path / "report" / f).is_file() for f in ("tau_per_domain.png", "reliability.png", "threshold_sweep.png"))
+    # a stride that skips anchors cannot be walked: the report says which tau it shows
+    s2 = build_report(cfg, tmp_path / "report2", tmp_path / "ck", None, None, stride=2)
+    assert s2["tau_kind"] == "per anchor" and "overstates" in (tmp_path / "report2" / "report.md").read_text()

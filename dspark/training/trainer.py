@@ -145,16 +145,43 @@ class EvalResult:
     l1: np.ndarray  # [n, G] ||p_d - p_t||_1 teacher forced (sampling at T = 1: acceptance = 1 - l1/2)
     domains: list[str]
     copy_class: np.ndarray | None = None  # [n, G] the copy prior's match class per step (0: none)
+    rows: np.ndarray | None = None  # [n] the cache row of each block
+    anchors: np.ndarray | None = None  # [n] its anchor position in that row
 
     def tau(self, mask: np.ndarray | None = None) -> float:
-        """Greedy tau = 1 + expected accepted prefix length (counts the bonus token)."""
+        """Greedy tau = 1 + accepted prefix length, averaged over anchors (counts the bonus token).
+        Every anchor weighs the same, so a stretch the drafter gets right counts once per position
+        in it, while decoding crosses it in a few rounds: this overstates tokens per round
+        wherever easy and hard stretches alternate. `decoded_tau` is the per-round figure."""
         acc = self.accepted if mask is None else self.accepted[mask]
         return float(1.0 + np.cumprod(acc, axis=1).sum(1).mean()) if len(acc) else float("nan")
 
-    def tau_by_domain(self) -> dict[str, float]:
+    def decoded_tau(self, mask: np.ndarray | None = None) -> float:
+        """Tokens per round as greedy decoding with a gamma-token chain realises them: each
+        answer is walked from its first anchor, a round at anchor p gains 1 + accepted tokens
+        and the next starts where it ended. Needs every anchor (stride 1, no subsampling); the
+        walk stops at the last full block, as the anchors do. Pooled: emitted / rounds."""
+        if self.rows is None or self.anchors is None:
+            raise ValueError("decoded_tau needs the blocks' rows and anchors")
+        keep = np.ones(len(self.accepted), bool) if mask is None else np.asarray(mask, bool)
+        gained = 1 + np.cumprod(self.accepted, axis=1).sum(1).astype(np.int64)
+        emitted = rounds = 0
+        for r in np.unique(self.rows[keep]):
+            sel = np.flatnonzero(keep & (self.rows == r))
+            at = dict(zip(self.anchors[sel].tolist(), gained[sel].tolist()))
+            first, last = min(at), max(at)
+            if len(at) != last - first + 1:
+                raise ValueError("decoded_tau needs every anchor of a row (evaluate with stride 1, no max_blocks)")
+            p = first
+            while p <= last:
+                emitted, rounds, p = emitted + at[p], rounds + 1, p + at[p]
+        return emitted / rounds if rounds else float("nan")
+
+    def tau_by_domain(self, decoded: bool = False) -> dict[str, float]:
+        fn = self.decoded_tau if decoded else self.tau
         doms = np.array(self.domains)
-        out = {d: self.tau(doms == d) for d in sorted(set(self.domains))}
-        out["all"] = self.tau()
+        out = {d: fn(doms == d) for d in sorted(set(self.domains))}
+        out["all"] = fn()
         return out
 
     def per_position_acceptance(self) -> np.ndarray:
@@ -164,8 +191,9 @@ class EvalResult:
         return pre.sum(0) / np.maximum(reach.sum(0), 1)
 
     def subset(self, mask: np.ndarray) -> "EvalResult":
-        cls = None if self.copy_class is None else self.copy_class[mask]
-        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], [d for d, m in zip(self.domains, mask) if m], cls)
+        pick = lambda a: None if a is None else a[mask]  # noqa: E731
+        doms = [d for d, m in zip(self.domains, mask) if m]
+        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], doms, pick(self.copy_class), pick(self.rows), pick(self.anchors))
 
 
 def free_running(
@@ -279,7 +307,7 @@ def evaluate_copy_priors(
     acc = [[] for _ in priors]
     conf = [[] for _ in priors]
     cls = [[] for _ in priors]
-    l1s, doms = [], []
+    l1s, doms, where = [], [], []
     forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
     if draft_vocab is not None:
         forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
@@ -304,13 +332,16 @@ def evaluate_copy_priors(
         tf = (masked + model.markov_bias(feat)).float()  # teacher forced
         l1s.append((tf.softmax(-1) - target.softmax(-1)).abs().sum(-1).numpy())
         doms += [reader.rows[r].domain for r, anchors in group_by_row(chunk) for _ in anchors]
+        where += [(r, a) for r, anchors in group_by_row(chunk) for a in anchors]
     model.train(was_training)
     if not l1s:
         z = np.zeros((0, g))
-        return [EvalResult(z, z, z, [], z.astype(np.int64)) for _ in priors]
+        e = np.zeros(0, np.int64)
+        return [EvalResult(z, z, z, [], z.astype(np.int64), e, e) for _ in priors]
     l1 = np.concatenate(l1s)
+    rows_, anchors_ = (np.array(x, dtype=np.int64) for x in zip(*where))
     return [
-        EvalResult(np.concatenate(a).astype(np.float64), np.concatenate(c), l1, doms, np.concatenate(m))
+        EvalResult(np.concatenate(a).astype(np.float64), np.concatenate(c), l1, doms, np.concatenate(m), rows_, anchors_)
         for a, c, m in zip(acc, conf, cls)
     ]
 
