@@ -237,6 +237,10 @@ _TAU_KINDS = {
 }
 
 
+def _anchors(stride: int) -> str:
+    return "an anchor at every answer position" if stride == 1 else f"anchors every {stride} answer positions"
+
+
 def _tau_table(r: dict, doms: list[str], key: str = "tau") -> list[str]:
     lines = ["| drafter | " + " | ".join(doms) + " |", "| --- | " + " | ".join("---" for _ in doms) + " |"]
     for res in r.values():
@@ -251,7 +255,7 @@ def _markdown(s: dict, files: list[str]) -> str:
         f"# DSpark drafter report: {s['target']}",
         "",
         f"Checkpoint `{s['checkpoint']}`; evaluation split of the target cache ({s['eval_sequences']} sequences, "
-        f"{s['blocks']} blocks, anchors every {s['anchor_stride']} answer positions, full blocks only), gamma {s['gamma']}, greedy. "
+        f"{s['blocks']} blocks, {_anchors(s['anchor_stride'])}, full blocks only), gamma {s['gamma']}, greedy. "
         "Computed offline from cached target states: the drafter's free-running greedy chain against the target's argmax "
         "at each block position. " + _TAU_KINDS[s.get("tau_kind", "per anchor")],
         "",
@@ -363,7 +367,7 @@ def write_card(path: Path, s: dict, command: str) -> None:
         "(`dspark.training.data.split_of`: eval 1/8, calib 1/16, train the rest); training never saw eval or calib prompts",
         f"- training sequences: {tr.get('train_sequences')} greedy answers (max 128 new tokens), "
         f"{tr.get('train_positions')} cached positions",
-        f"- evaluation: {s['eval_sequences']} eval-split answers, {s['blocks']} blocks (anchors every {s['anchor_stride']} positions)",
+        f"- evaluation: {s['eval_sequences']} eval-split answers, {s['blocks']} blocks ({_anchors(s['anchor_stride'])})",
         "",
         "## Training",
         "",
