@@ -30,15 +30,24 @@ from pathlib import Path
 import numpy as np
 
 
-def threshold_sweep(accepted: np.ndarray, survival_conf: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def threshold_sweep(
+    accepted: np.ndarray, survival_conf: np.ndarray, thresholds: np.ndarray, rows: np.ndarray | None = None, anchors: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Static policy "verify while c_k >= t": per threshold, mean tokens per step (accepted
-    within the verified prefix + 1), acceptance rate (accepted / verified) and mean verified."""
+    within the verified prefix + 1), acceptance rate (accepted / verified) and mean verified.
+    With the blocks' `rows` and `anchors` (every anchor present) all three are over the rounds
+    decoding with that policy visits (`walk_rounds`): tokens per step is then tokens per round."""
+    from dspark.training.trainer import walk_rounds
+
     pre = np.cumprod(accepted, axis=1)
     tps, rate, ver = [], [], []
     for t in thresholds:
         ok = np.cumprod(survival_conf >= t, axis=1)  # verified positions: every c_j >= t so far
         verified = ok.sum(1)
         acc = (pre * ok).sum(1)
+        if rows is not None and anchors is not None:
+            seen = walk_rounds(rows, anchors, 1 + acc.astype(np.int64))
+            verified, acc = verified[seen], acc[seen]
         tps.append(1.0 + acc.mean())
         rate.append(acc.sum() / max(verified.sum(), 1))
         ver.append(verified.mean())
@@ -185,7 +194,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         }
     c_cal = 1.0 / (1.0 + np.exp(-(z_cal / np.asarray(temps)[None, :] + np.asarray(offsets)[None, :])))
     thr = np.round(np.arange(0.0, 1.0001, 0.05), 2)
-    tps, rate, ver = threshold_sweep(res.accepted, c_cal, thr)
+    tps, rate, ver = threshold_sweep(res.accepted, c_cal, thr, *((res.rows, res.anchors) if walk else ()))
     results["dspark"]["sweep"] = {"threshold": thr.tolist(), "tokens_per_step": tps.tolist(), "acceptance_rate": rate.tolist(), "mean_verified": ver.tolist()}
     out.mkdir(parents=True, exist_ok=True)
     files = _plots(out, results, sts, gamma)
@@ -300,7 +309,8 @@ def _markdown(s: dict, files: list[str]) -> str:
         "",
         "## Confidence-threshold sweep (DSpark, calibrated confidences)",
         "",
-        "Static policy: verify draft positions while every calibrated c_k so far is >= t.",
+        "Static policy: verify draft positions while every calibrated c_k so far is >= t"
+        + (" (tokens per step = per round: each answer walked under that policy)." if s.get("tau_kind") == "per round" else "."),
         "",
         "| t | tokens per step | acceptance rate | mean verified |",
         "| --- | --- | --- | --- |",

@@ -476,3 +476,14 @@ def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cac
     # a stride that skips anchors cannot be walked: the report says which tau it shows
     s2 = build_report(cfg, tmp_path / "report2", tmp_path / "ck", None, None, stride=2)
     assert s2["tau_kind"] == "per anchor" and "overstates" in (tmp_path / "report2" / "report.md").read_text()
+
+
+def test_threshold_sweep_per_round_walks_the_policy():
+    from pipelines.drafter_report import threshold_sweep
+
+    # one answer, gamma 2, anchors 0..3: at t=0 a round at 0 gains 3 (both accepted), then 3 gains 1
+    accepted = np.array([[1, 1], [0, 0], [1, 0], [0, 1]], dtype=float)
+    conf = np.array([[0.9, 0.6], [0.9, 0.9], [0.9, 0.9], [0.9, 0.9]])
+    tps, rate, ver = threshold_sweep(accepted, conf, np.array([0.0, 0.7]), np.zeros(4, np.int64), np.arange(4))
+    # t=0.7 verifies only position 1 at anchor 0 (gains 2), then both at anchor 2 (gains 2)
+    assert tps.tolist() == [2.0, 2.0] and ver.tolist() == [2.0, 1.5] and rate.tolist() == pytest.approx([2 / 4, 2 / 3])

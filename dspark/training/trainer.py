@@ -138,6 +138,24 @@ def forward_batch(model: DSparkModel, batch: Batch, autocast: bool, vocab: torch
     return logits.float(), conf.float()
 
 
+def walk_rounds(rows: np.ndarray, anchors: np.ndarray, gained: np.ndarray) -> np.ndarray:
+    """Indices of the blocks decoding visits: per row from its first anchor, a round at block
+    i gains gained[i] tokens (>= 1) and the next round starts that many positions later, up to
+    the row's last anchor. Every anchor of a row must be present (stride 1)."""
+    visited: list[int] = []
+    for r in np.unique(rows):
+        sel = np.flatnonzero(rows == r)
+        at = dict(zip(anchors[sel].tolist(), sel.tolist()))
+        first, last = min(at), max(at)
+        if len(at) != last - first + 1:
+            raise ValueError("a per-round walk needs every anchor of a row (evaluate with stride 1, no max_blocks)")
+        p = first
+        while p <= last:
+            visited.append(at[p])
+            p += int(gained[at[p]])
+    return np.array(visited, dtype=np.int64)
+
+
 @dataclass
 class EvalResult:
     accepted: np.ndarray  # [n, G] greedy: drafted token == target argmax at k (prefix products are exact)
@@ -164,18 +182,9 @@ class EvalResult:
         if self.rows is None or self.anchors is None:
             raise ValueError("decoded_tau needs the blocks' rows and anchors")
         keep = np.ones(len(self.accepted), bool) if mask is None else np.asarray(mask, bool)
-        gained = 1 + np.cumprod(self.accepted, axis=1).sum(1).astype(np.int64)
-        emitted = rounds = 0
-        for r in np.unique(self.rows[keep]):
-            sel = np.flatnonzero(keep & (self.rows == r))
-            at = dict(zip(self.anchors[sel].tolist(), gained[sel].tolist()))
-            first, last = min(at), max(at)
-            if len(at) != last - first + 1:
-                raise ValueError("decoded_tau needs every anchor of a row (evaluate with stride 1, no max_blocks)")
-            p = first
-            while p <= last:
-                emitted, rounds, p = emitted + at[p], rounds + 1, p + at[p]
-        return emitted / rounds if rounds else float("nan")
+        gained = 1 + np.cumprod(self.accepted[keep], axis=1).sum(1).astype(np.int64)
+        visited = walk_rounds(self.rows[keep], self.anchors[keep], gained)
+        return float(gained[visited].mean()) if len(visited) else float("nan")
 
     def tau_by_domain(self, decoded: bool = False) -> dict[str, float]:
         fn = self.decoded_tau if decoded else self.tau
