@@ -3,8 +3,9 @@
 
 Writes DIR/report.md and PNG plots:
   tau per domain at fixed gamma (greedy, bonus token counted, tokens per round as decoding
-  realises them) for DSpark and the parallel-only ablation (paper Table 1 shape); per-position conditional acceptance (Fig. 2); a threshold
-  sweep of tokens per step and acceptance rate (Fig. 5); reliability diagrams with ECE and
+  realises them) for DSpark and the parallel-only ablation (paper Table 1 shape); per-position
+  conditional acceptance (Fig. 2); a threshold sweep of tokens per step (per round) and
+  acceptance rate (Fig. 5); reliability diagrams with ECE and
   ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6).
   With a copy prior in the checkpoint, tau rows with and without it.
 
@@ -14,9 +15,9 @@ position, which is exactly what greedy verification does. tau walks each answer 
 (a round at position p gains 1 + accepted tokens; the next starts where it ended), which needs
 every anchor (stride 1, the default). The average over all anchors is reported beside it: it
 weighs an easy stretch once per position in it, where decoding crosses it in a few rounds, so
-it overstates tokens per round. The ablation is a checkpoint trained
-with markov_rank 0 (configs/train_smollm2_parallel.yaml); without one, the report falls back to
-the DSpark model with its Markov bias switched off at inference and says so.
+it overstates tokens per round. The ablation is a checkpoint trained with markov_rank 0
+(configs/train_smollm2_parallel.yaml); without one, the report falls back to the DSpark model
+with its Markov bias switched off at inference and says so.
 """
 
 from __future__ import annotations
