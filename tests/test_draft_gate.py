@@ -51,6 +51,26 @@ def test_a_paying_probe_resets_the_pause():
     assert [gate.should_draft() for _ in range(2)] == [False, True]
 
 
+def test_a_probe_is_judged_on_the_text_after_the_pause():
+    """Averages dragged down by a hard stretch do not outvote a paying probe: the probe's round
+    replaces them, so drafting resumes at once where the text got easy again."""
+    gate = DraftGate(FLAT.latency)  # default alpha: averages move slowly
+    for _ in range(30):  # a long hard stretch: every draft rejected, rounds 1.5x as long
+        if gate.should_draft():
+            gate.record(rows=1, seconds=0.015, emitted=1, drafted=True, propose_s=0.003)
+        else:
+            gate.record(rows=1, seconds=0.010, emitted=1, drafted=False, propose_s=0.0)
+    assert gate.skip_left > 0 or gate.next_skip > 1  # it paused
+    while not gate.should_draft():  # sit out the pause with plain rounds
+        gate.record(rows=1, seconds=0.010, emitted=1, drafted=False, propose_s=0.0)
+    gate.record(rows=1, seconds=0.015, emitted=4, drafted=True, propose_s=0.003)  # the probe pays: 4 tokens
+    assert gate.expected_speedup() == pytest.approx(4 / 1.5)
+    assert all(gate.should_draft() for _ in range(3))  # no pause
+    # a round that is not a probe joins the averages at alpha
+    gate.record(rows=1, seconds=0.015, emitted=1, drafted=True, propose_s=0.003)
+    assert gate.gain == pytest.approx(3.0 + gate.alpha * (0.0 - 3.0))
+
+
 def test_plain_rounds_set_the_yardstick_and_batch_size_is_normalised_away():
     table = CostTable((1, 8), (0.010, 0.024))
     gate = DraftGate(table.latency, alpha=1.0)
