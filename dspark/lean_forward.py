@@ -32,6 +32,7 @@ transformers' forward.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv  # what transformers' SDPA path runs
 
 from dspark.attention import decoding_sdpa
+from dspark.cpu_matmul import PACKED_MAX_ROWS, fuse_linears
 from dspark.kv import SlotCache
 
 # model_type -> decoder layers follow Llama's forward (Qwen2 adds q/k/v biases, handled by the
@@ -49,7 +51,8 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # 2: bfloat16 blocks fold query groups on CPU; CUDA takes transformers' kernel choices.
 # 3: blocks fold query groups on CPU in every dtype.
 # 4: ragged rows packed on CPU (`RaggedLayout`); tables gain the one-wide-row latencies.
-LEAN_FORWARD_VERSION = 4
+# 5: q/k/v and gate/up run as one packed matmul each on CPU (`FusedProjections`).
+LEAN_FORWARD_VERSION = 5
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
 # verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
 # SDPA: there the two cost about the same, and copying the mask for every query head made an
@@ -123,6 +126,37 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class FusedProjections:
+    """One decoder layer's input projections as two matmuls: [q | k | v] and [gate | up]."""
+
+    qkv: nn.Module  # [T, d] -> [T, (H + 2 Hkv) dh]
+    gate_up: nn.Module  # [T, d] -> [T, 2 ff]
+
+
+# model -> its layers' FusedProjections (None: not fusable), built once per model however many
+# runners share it: the fused weights are copies (~0.55 GB for SmolLM2-135M in float32).
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, list[FusedProjections] | None]" = weakref.WeakKeyDictionary()
+
+
+def fused_projections(model: nn.Module) -> list[FusedProjections] | None:
+    """Per layer, q/k/v and gate/up fused into one packed matmul each (`fuse_linears`), or None
+    where the model's linears are not packed (not CPU float32) or fusing would round
+    differently. Checked on the first layer (the kernels depend on shapes, not weights)."""
+    if model not in _FUSED:
+        fused: list[FusedProjections] | None = []
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], check=i == 0)
+            gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], check=i == 0)
+            if qkv is None or gate_up is None:
+                fused = None
+                break
+            fused.append(FusedProjections(qkv, gate_up))
+        _FUSED[model] = fused
+    return _FUSED[model]
+
+
 class LeanDecoder:
     """Runs a Llama-family causal LM over a block of tokens per row on a `SlotCache`."""
 
@@ -137,6 +171,9 @@ class LeanDecoder:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = self.inner.layers[0].self_attn.head_dim
         self.transformers_kernels = transformers_kernels(next(model.parameters()).device)
+        # blocks of up to PACKED_MAX_ROWS tokens (decode and verify rounds) use them; longer
+        # prefills keep the separate layers (MKL's kernels, where fusing is not checked)
+        self.fused = None if self.transformers_kernels else fused_projections(model)
 
     def norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return module(x) if self.transformers_kernels else rms_norm(x, module)
@@ -184,17 +221,26 @@ class LeanDecoder:
         want = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}
         n = len(self.inner.layers)
+        fused = self.fused if self.fused is not None and x.shape[0] <= PACKED_MAX_ROWS else None
         for i, layer in enumerate(self.inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             y = self.norm(x, layer.input_layernorm)
-            q = rotate(attn.q_proj(y).view(-1, h, dh), cos, sin)  # [T, H, dh]
-            k = rotate(attn.k_proj(y).view(-1, hk, dh), cos, sin)  # [T, Hkv, dh]
-            v = attn.v_proj(y).view(-1, hk, dh)
+            if fused is None:
+                q, k, v = attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)
+            else:
+                q, k, v = fused[i].qkv(y).split((h * dh, hk * dh, hk * dh), dim=-1)
+            q = rotate(q.view(-1, h, dh), cos, sin)  # [T, H, dh]
+            k = rotate(k.view(-1, hk, dh), cos, sin)  # [T, Hkv, dh]
+            v = v.reshape(-1, hk, dh)
             keys, values = cache.layers[i].update(layout.grid(k).transpose(1, 2), layout.grid(v).transpose(1, 2))  # [B, Hkv, S + W, dh]
             o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal)  # [B, H, W, dh]
             x = x + attn.o_proj(layout.pack(o.transpose(1, 2)).reshape(-1, h * dh))
             y = self.norm(x, layer.post_attention_layernorm)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
+            if fused is None:
+                gate, up = mlp.gate_proj(y), mlp.up_proj(y)
+            else:
+                gate, up = fused[i].gate_up(y).chunk(2, dim=-1)
+            x = x + mlp.down_proj(F.silu(gate) * up)
             if i + 1 in want and i + 1 < n:
                 hidden[i + 1] = x
         logits = None

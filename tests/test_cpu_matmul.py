@@ -10,6 +10,7 @@ import dspark.cpu_matmul as cpu_matmul
 from dspark.cpu_matmul import (
     MKL_CANDIDATE_ROWS,
     PackedLinear,
+    fuse_linears,
     is_packed,
     leading_mkl_wins,
     pack_linear_layers,
@@ -93,6 +94,19 @@ def test_packed_linear_falls_back_when_training():
     x = torch.randn(5, 16, requires_grad=True)
     packed(x).sum().backward()  # the mkldnn path has no autograd: grad mode must take F.linear
     assert x.grad is not None and linear.weight.grad is not None
+
+
+def test_fused_linears_give_the_parts_outputs_side_by_side_to_the_bit():
+    torch.manual_seed(0)
+    parts = [PackedLinear(nn.Linear(48, n), mkl_max_rows=2) for n in (48, 16, 16)]
+    fused = fuse_linears(parts)
+    assert fused is not None and fused.out_features == 80 and fused.mkl_max_rows == 2
+    for rows in (1, 2, 3, 7, 9, 40, 130):  # MKL, packed, padded buckets, past PACKED_MAX_ROWS
+        x = torch.randn(rows, 48)
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert fuse_linears([nn.Linear(48, 8), nn.Linear(48, 8)]) is None  # not packed
+    assert fuse_linears([PackedLinear(nn.Linear(48, 8)), PackedLinear(nn.Linear(32, 8))]) is None  # inputs differ
+    assert fuse_linears([PackedLinear(nn.Linear(48, 8)), PackedLinear(nn.Linear(48, 8, bias=False))]) is None
 
 
 def test_packing_keeps_parameters_and_tied_head():

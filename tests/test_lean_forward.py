@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from dspark.lean_forward import LeanDecoder, lean_support
+from dspark.cpu_matmul import pack_linear_layers, packing_available
+from dspark.lean_forward import LeanDecoder, fused_projections, lean_support
 from dspark.runner import ModelRunner
 from tests.conftest import tiny_model
 
@@ -23,9 +24,11 @@ def real_positions(t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.cat([t[b, :n] for b, n in enumerate(lengths)])
 
 
-def run_rounds(model, lean: bool, hidden_layers: tuple[int, ...]) -> list[torch.Tensor]:
+def run_rounds(model, lean: bool, hidden_layers: tuple[int, ...], fused: bool = True) -> list[torch.Tensor]:
     runner = ModelRunner(model, hidden_layers=hidden_layers, lean=lean)
     assert (runner.lean is not None) == lean
+    if not fused:
+        runner.lean.fused = None
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 7, 23)]
     runner.cache, hidden, logits = runner.prefill_with_logits(prompts)
@@ -54,6 +57,31 @@ def test_lean_matches_transformers_forward(arch):
     for ref, got in zip(reference, lean):
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_projections_change_no_bit(arch):
+    """With packed CPU weights, q/k/v and gate/up run as one matmul each: prefills, ragged
+    verify blocks, trees and one-token steps give the separate layers' logits and hidden states
+    to the bit (qwen2: with q/k/v biases)."""
+    model = tiny_model(arch, 256, seed=7, layers=2)
+    pack_linear_layers(model, mkl_max_rows=1)  # one-token steps on MKL, blocks on oneDNN
+    fused = fused_projections(model)
+    assert fused is not None and len(fused) == 2
+    assert fused_projections(model) is fused  # built once per model, shared by its runners
+    layers = (1, 2)
+    separate = run_rounds(model, lean=True, hidden_layers=layers, fused=False)
+    together = run_rounds(model, lean=True, hidden_layers=layers)
+    assert len(together) == len(separate)
+    for ref, got in zip(separate, together):
+        assert torch.equal(got, ref)
+
+
+def test_unpacked_models_keep_separate_projections():
+    model = tiny_model("llama", 256, seed=7, layers=2)
+    assert fused_projections(model) is None
+    assert LeanDecoder(model).fused is None
 
 
 def test_lean_matches_a_llama_with_biases_everywhere():
