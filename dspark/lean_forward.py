@@ -134,27 +134,27 @@ class FusedProjections:
     gate_up: nn.Module  # [T, d] -> [T, 2 ff]
 
 
-# model -> its layers' FusedProjections (None: not fusable), built once per model however many
-# runners share it: the fused weights are copies (~0.55 GB for SmolLM2-135M in float32).
-_FUSED: "weakref.WeakKeyDictionary[nn.Module, list[FusedProjections] | None]" = weakref.WeakKeyDictionary()
+# model -> its layers' FusedProjections, built once per model however many runners share it:
+# the fused weights are copies (~0.55 GB for SmolLM2-135M in float32).
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, list[FusedProjections]]" = weakref.WeakKeyDictionary()
 
 
 def fused_projections(model: nn.Module) -> list[FusedProjections] | None:
     """Per layer, q/k/v and gate/up fused into one packed matmul each (`fuse_linears`), or None
     where the model's linears are not packed (not CPU float32) or fusing would round
     differently. Checked on the first layer (the kernels depend on shapes, not weights)."""
-    if model not in _FUSED:
-        fused: list[FusedProjections] | None = []
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], check=i == 0)
-            gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], check=i == 0)
-            if qkv is None or gate_up is None:
-                fused = None
-                break
-            fused.append(FusedProjections(qkv, gate_up))
-        _FUSED[model] = fused
-    return _FUSED[model]
+    if model in _FUSED:
+        return _FUSED[model]
+    fused = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], check=i == 0)
+        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], check=i == 0)
+        if qkv is None or gate_up is None:
+            return None  # not remembered: the model may be packed later
+        fused.append(FusedProjections(qkv, gate_up))
+    _FUSED[model] = fused
+    return fused
 
 
 class LeanDecoder:
