@@ -26,6 +26,7 @@ from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.sampling import SamplingParams
 from dspark.training.tiny import tiny_target
+from dspark.tree import DraftTree
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -392,13 +393,16 @@ def test_plugin_lifecycle_and_chain(target):
     req = DraftRequest(0, [5, 6, 7, 8], SamplingParams())
     first, later = fake_hidden(drafter, 3), fake_hidden(drafter, 10, seed=1)
     drafter.start(req, first)
+    assert "ctx_kv" not in req.state and req.state["ctx_pending"].shape[0] == 3  # queued, projected when drafting
+    drafter.project_context([req])
     kv_cols = drafter.cfg.num_kv_heads * drafter.cfg.head_dim
     assert [tuple(t.shape) for t in req.state["ctx_kv"][0]] == [(3, kv_cols)] * 2
     (tree,) = drafter.propose([req], max_depth=4)
     tree.validate(96)
     assert len(tree) == 4 and tree.is_chain() and all(q is None for q in tree.q)
     drafter.observe(req, VerifyOutcome(0, tree, [0], 9, hidden=later))
-    # keys/values of the last N committed positions, each projected once as it arrived
+    drafter.project_context([req])
+    # keys/values of the last N committed positions, each projected once
     n = drafter.cfg.context_len
     feats = torch.cat([torch.cat([a, b]) for a, b in zip(first, later)], dim=-1)[-n:]
     with torch.no_grad():  # keys rotated at their positions in the sequence (13 - n .. 12)
@@ -423,6 +427,34 @@ def test_plugin_batch_matches_single(target):
         (single,) = drafter.propose([r], 5)
         assert single.tokens == t.tokens and single.parents == t.parents
         assert single.confidence == pytest.approx(t.confidence, abs=1e-5)
+
+
+def test_context_is_projected_once_per_position_in_one_batch_whenever_drafting_needs_it(target):
+    """Rows queue their committed states; a propose projects the whole batch's queues at once.
+    A row that drafts every round and a row that sat out rounds (queue capped at N) end with
+    the keys/values a projection of their last N positions gives."""
+    drafter = DSparkDrafter(make_model(target), options=DrafterOptions(branch_width=1), eos_token_ids=[])
+    n = drafter.cfg.context_len
+    every, idle = (DraftRequest(i, [5, 6, 7], SamplingParams()) for i in range(2))
+    chunks = [fake_hidden(drafter, k, seed=k) for k in (5, 3, n, 2)]
+    for r in (every, idle):
+        drafter.start(r, chunks[0])
+    drafter.propose([every, idle], 3)
+    for chunk in chunks[1:]:
+        for r in (every, idle):
+            drafter.observe(r, VerifyOutcome(r.request_id, DraftTree(), [], 9, hidden=chunk))
+        drafter.propose([every], 3)  # `idle` sits this round out: its states wait, at most N of them
+        assert idle.state["ctx_pending"].shape[0] <= n and "ctx_pending" not in every.state
+    drafter.propose([every, idle], 3)
+    seen = sum(c[0].shape[0] for c in chunks)
+    feats = torch.cat([torch.cat(layer) for layer in zip(*chunks)], dim=-1)[-n:]
+    with torch.no_grad():
+        expected = drafter.model.context_kv(drafter.model.project_context(feats), start=seen - n)
+    for r in (every, idle):
+        assert r.state["ctx_end"] == seen
+        for (k, v), (k_ref, v_ref) in zip(r.state["ctx_kv"], expected):
+            torch.testing.assert_close(k, k_ref)
+            torch.testing.assert_close(v, v_ref)
 
 
 def test_plugin_branches_with_three_candidates(target):

@@ -5,7 +5,9 @@ values [<=N, KV*D] of the last N committed tokens (token_ids[:-1]; the anchor to
 is not in the target cache yet), keys rotated at their positions in the sequence:
 each committed position is projected once (W_c, the layer's K/V projections, RoPE), not once
 per round; `request.state["ctx_end"]` counts the positions seen, i.e. the anchor's position.
-`start` fills them from the prompt's states; `observe` appends the tokens committed in the round.
+`start` queues the prompt's states and `observe` the states of the tokens committed in each
+round (`ctx_pending`, at most N); `propose` projects every queued position of the batch in
+one call (`project_context`) before drafting.
 
 `propose` runs ONE batched backbone forward for all requests, then walks the Markov head left
 to right:
@@ -88,18 +90,42 @@ class DSparkDrafter(DrafterBase):
     # ------------------------------------------------------------- request lifecycle
 
     def _append_context(self, request: DraftRequest, hidden: list[torch.Tensor] | None) -> None:
+        """Queue the committed positions' target states; `project_context` projects them."""
         if not hidden or hidden[0].shape[0] == 0:
             return
         feats = torch.cat([h.to(self.device) for h in hidden], dim=-1)  # [n, m*d_t]
-        n, end = self.cfg.context_len, request.state.get("ctx_end", 0)
-        keep = feats[-n:]
-        with torch.no_grad():  # per layer ([<=N, KV*D], same), at positions end + ... in the sequence
-            new = self.model.context_kv(self.model.project_context(keep), start=end + feats.shape[0] - keep.shape[0])
-        old = request.state.get("ctx_kv")
-        if old is not None:
-            new = [(torch.cat([k0, k1])[-n:], torch.cat([v0, v1])[-n:]) for (k0, v0), (k1, v1) in zip(old, new)]
-        request.state["ctx_kv"] = new
-        request.state["ctx_end"] = end + feats.shape[0]
+        pending = request.state.get("ctx_pending")
+        if pending is not None:
+            feats = torch.cat([pending, feats])
+        if feats.shape[0] > self.cfg.context_len:  # older positions would be dropped anyway
+            feats = feats[-self.cfg.context_len :].clone()  # a copy: a view would keep a long prompt's states alive
+        request.state["ctx_pending"] = feats
+        request.state["ctx_end"] = request.state.get("ctx_end", 0) + hidden[0].shape[0]
+
+    @torch.no_grad()
+    def project_context(self, requests: list[DraftRequest]) -> None:
+        """Project the requests' queued positions into every layer's context keys/values, all
+        requests in one batch (`propose` does this first). Deferred to here so that a round
+        costs one projection for the batch instead of one per row, and rounds in which the
+        engine does not draft (the draft gate, a row's back-off) cost none: a row's queue holds
+        at most its last N positions."""
+        todo = [r for r in requests if r.state.get("ctx_pending") is not None]
+        if not todo:
+            return
+        pending = [r.state.pop("ctx_pending") for r in todo]
+        sizes = [p.shape[0] for p in pending]
+        # position of each queued row in its own sequence: the last ones before the anchor
+        positions = torch.cat([torch.arange(r.state["ctx_end"] - n, r.state["ctx_end"]) for r, n in zip(todo, sizes)])
+        h_ctx = self.model.project_context(torch.cat(pending))  # [sum n, d]
+        new = self.model.context_kv(h_ctx, positions=positions.to(self.device))  # per layer ([sum n, KV*D], same)
+        n = self.cfg.context_len
+        split = [(k.split(sizes), v.split(sizes)) for k, v in new]  # per layer, per request
+        for i, r in enumerate(todo):
+            fresh = [(k[i], v[i]) for k, v in split]
+            old = r.state.get("ctx_kv")
+            if old is not None:
+                fresh = [(torch.cat([k0, k1])[-n:], torch.cat([v0, v1])[-n:]) for (k0, v0), (k1, v1) in zip(old, fresh)]
+            r.state["ctx_kv"] = fresh
 
     def _index_tokens(self, request: DraftRequest) -> None:
         if self.copy is None:
@@ -108,7 +134,7 @@ class DSparkDrafter(DrafterBase):
         index.extend(request.token_ids[index.size :])
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        for key in ("ctx_kv", "ctx_end", "ngrams"):  # the engine keeps its own keys here (e.g. "generator")
+        for key in ("ctx_kv", "ctx_pending", "ctx_end", "ngrams"):  # the engine keeps its own keys here (e.g. "generator")
             request.state.pop(key, None)
         self._append_context(request, prompt_hidden)
         self._index_tokens(request)
@@ -148,6 +174,7 @@ class DSparkDrafter(DrafterBase):
         depth = min(int(max_depth), self.cfg.gamma)
         if depth <= 0 or not requests:
             return [DraftTree() for _ in requests]
+        self.project_context(requests)
         ctx_kv, valid, block_pos = self._batch_context(requests)
         anchors = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.long, device=self.device)
         h, conf_h = self.model.backbone(ctx_kv, valid, anchors, depth, block_pos=block_pos)  # [B, depth, d], [B, depth]

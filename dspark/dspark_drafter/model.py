@@ -294,11 +294,11 @@ class DSparkModel(nn.Module):
         mask = self.mask_embed[None, None, :].expand(b, g - 1, -1)
         return torch.cat([emb[:, None, :], mask], dim=1)
 
-    def context_kv(self, ctx: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """H_ctx [..., N, d] at positions start..start+N-1 -> every layer's context keys (RoPE
-        applied) and values [..., N, KV*D] (see DraftLayer.context_kv)."""
+    def context_kv(self, ctx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """H_ctx [..., N, d] at positions start..start+N-1 (or `positions` [N]) -> every layer's
+        context keys (RoPE applied) and values [..., N, KV*D] (see DraftLayer.context_kv)."""
         ctx = ctx.to(self.mask_embed.dtype)
-        pos = torch.arange(start, start + ctx.shape[-2], device=ctx.device)
+        pos = torch.arange(start, start + ctx.shape[-2], device=ctx.device) if positions is None else positions
         rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)  # [N, D]
         return [layer.context_kv(ctx, rope) for layer in self.layers]
 
