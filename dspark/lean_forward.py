@@ -25,6 +25,9 @@ AMD EPYC (AVX2) in float32 attention alone got 1.5-2.3x faster, and a whole forw
 x 2 / 3 / 4 tokens over 768 cached tokens 7-8% faster (133.5 / 154.9 / 164.0 -> 123.5 / 141.9
 / 153.0 ms; 16 rows x 2 tokens 207.7 -> 185.7; README, "CPU kernels").
 
+Where the weights are packed for oneDNN (CPU float32), q/k/v and gate/up run as one matmul each
+(`FusedProjections`, checked bit-identical to the separate layers): four calls a layer, not seven.
+
 Only architectures whose forward is exactly the above are taken (`lean_support`); anything
 else (other model types, sliding windows, non-SiLU MLPs, non-default attention scaling) keeps
 transformers' forward.
