@@ -107,6 +107,10 @@ def test_fused_linears_give_the_parts_outputs_side_by_side_to_the_bit():
     assert fuse_linears([nn.Linear(48, 8), nn.Linear(48, 8)]) is None  # not packed
     assert fuse_linears([PackedLinear(nn.Linear(48, 8)), PackedLinear(nn.Linear(32, 8))]) is None  # inputs differ
     assert fuse_linears([PackedLinear(nn.Linear(48, 8)), PackedLinear(nn.Linear(48, 8, bias=False))]) is None
+    stale = [PackedLinear(nn.Linear(48, 8), mkl_max_rows=0) for _ in range(2)]
+    with torch.no_grad():
+        stale[0].weight.add_(1.0)  # its packed copy now disagrees with it: fused results would differ
+    assert fuse_linears(stale) is None
 
 
 def test_packing_keeps_parameters_and_tied_head():
