@@ -380,6 +380,37 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, target):
         load_drafter("default", target)
 
 
+def resized(model, target, **arch):
+    return build_model(DSparkConfig(**{**model.cfg.to_dict(), **arch}), target.model)
+
+
+@pytest.mark.parametrize("old_rank", [0, 4])
+def test_a_warm_start_may_grow_layers_and_markov_rank_and_starts_as_the_same_drafter(tmp_path, target, old_rank):
+    from dspark.dspark_drafter.checkpoint import warm_start
+
+    small = resized(make_model(target), target, num_layers=1, markov_rank=old_rank)
+    with torch.no_grad():  # trained-looking weights: every head active
+        for p in small.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint(tmp_path / "small", small, Fingerprint.of(target), dtype=torch.float32)
+    big = resized(small, target, num_layers=2, markov_rank=8)
+    warm_start(big, tmp_path / "small", target)
+
+    ctx, valid = rand_ctx(small)
+    tokens = torch.randint(3, 96, (3, small.cfg.gamma + 1))
+    with torch.no_grad():
+        want_logits, want_conf = small.teacher_forced(ctx, valid, tokens)
+        got_logits, got_conf = big.teacher_forced(ctx, valid, tokens)
+    torch.testing.assert_close(got_logits, want_logits)
+    torch.testing.assert_close(got_conf, want_conf)
+    assert big.layers[1].q_proj.weight.abs().sum() > 0  # the new layer trains from a real init
+    assert big.markov_w1.weight[:, old_rank:].abs().sum() > 0
+
+    save_checkpoint(tmp_path / "big", big, Fingerprint.of(target), dtype=torch.float32)
+    with pytest.raises(ValueError, match="may only grow"):
+        warm_start(resized(small, target), tmp_path / "big", target)
+
+
 # ---------------------------------------------------------------- engine plug-in
 
 

@@ -157,20 +157,58 @@ def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
         raise ValueError(f"{where}: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
 
 
+# Architecture fields a warm start may grow: the grown model starts as the same function
+# (grow_state), so training continues from the checkpoint instead of from scratch.
+GROWABLE = ("num_layers", "markov_rank")
+
+
 def warm_start(model: DSparkModel, path: str | Path, target) -> Checkpoint:
-    """Copy a checkpoint's trained weights into `model` (built for training, same architecture,
-    same target; the context window may differ) so that training continues from it instead of
-    from random weights: more data, more steps or a wider context without paying again for the
-    steps already done. Calibration temperatures
-    are not carried over; the calibrate stage fits new ones."""
+    """Copy a checkpoint's trained weights into `model` (built for training, same target) so
+    that training continues from it instead of from random weights: more data, more steps, a
+    wider context window, or a deeper drafter / a higher Markov rank (see grow_state) without
+    paying again for the steps already done. Calibration temperatures are not carried over;
+    the calibrate stage fits new ones."""
     ck = read_checkpoint(path)
     check_fingerprint(ck.target, target, where=str(path))
     mine, theirs = model.cfg.to_dict(), ck.config.to_dict()
     # context_len is how many committed positions a block may attend to, not a weight shape:
     # a run may widen it (the attention then learns to use the farther positions)
-    differ = sorted(k for k in set(mine) | set(theirs) if k != "context_len" and mine.get(k) != theirs.get(k))
+    same = set(mine) | set(theirs)
+    differ = sorted(k for k in same if k != "context_len" and mine.get(k) != theirs.get(k)
+                    and not (k in GROWABLE and mine.get(k, 0) > theirs.get(k, 0)))
     if differ:
         detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
-        raise ValueError(f"{path}: cannot warm-start from a different drafter architecture ({detail})")
-    _load_weights(model, ck, str(path))
+        grow = " (num_layers and markov_rank may only grow)" if set(differ) & set(GROWABLE) else ""
+        raise ValueError(f"{path}: cannot warm-start from a different drafter architecture ({detail}){grow}")
+    state = grow_state(model.state_dict(), {k: v.float() for k, v in ck.state.items()}, ck.config.num_layers, ck.config.markov_rank)
+    _load_weights(model, Checkpoint(config=model.cfg, state=state), str(path))
     return ck
+
+
+def grow_state(fresh: dict[str, torch.Tensor], old: dict[str, torch.Tensor], old_layers: int, old_rank: int) -> dict[str, torch.Tensor]:
+    """The state of a deeper / higher-rank drafter that computes what the old one computed.
+
+    `fresh` is the new model's freshly initialised state. Layers past `old_layers` are appended
+    with zero output projections (o_proj, down_proj): their residual branches add nothing until
+    training moves them. Markov rank r_old -> r: W1 keeps its first r_old columns and gets fresh
+    random ones; the new columns of W2 and of the confidence head's W1 part are zero, so the
+    bias B = W1[x] W2 and the confidence logits are unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    d = fresh["final_norm.weight"].shape[0]
+    for key, init in fresh.items():
+        if key in old and old[key].shape == init.shape:
+            out[key] = old[key]
+        elif key.startswith("layers.") and int(key.split(".")[1]) >= old_layers:
+            zero = key.endswith(("o_proj.weight", "down_proj.weight"))
+            out[key] = torch.zeros_like(init) if zero else init
+        elif key == "markov_w1.weight" and old_rank > 0:
+            out[key] = torch.cat([old[key], init[:, old_rank:]], dim=1)  # [V, r]
+        elif key == "markov_w2" and old_rank > 0:
+            out[key] = torch.cat([old[key], torch.zeros_like(init[:, old_rank:])], dim=1)  # [V, r]
+        elif key in ("markov_w1.weight", "markov_w2"):  # rank 0 -> r: W2 = 0 gives B = 0
+            out[key] = torch.zeros_like(init) if key == "markov_w2" else init
+        elif key == "conf_head.weight":  # [1, d + r]: w_h, then the W1 part
+            out[key] = torch.cat([old[key], torch.zeros_like(init[:, d + old_rank:])], dim=1)
+        else:
+            out[key] = old[key]  # a shape that cannot grow: _load_weights reports the mismatch
+    return out
