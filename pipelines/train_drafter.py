@@ -384,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--init-from",
         metavar="CHECKPOINT",
-        help="a fresh train run starts from this drafter checkpoint's weights (same architecture and target; "
-        "e.g. the shipped one, to continue it on more data) instead of random ones; the calibrate stage "
+        help="a fresh train run starts from this drafter checkpoint's weights (same target and architecture, "
+        "except that model.num_layers and model.markov_rank may grow: the grown drafter starts as the same function; "
+        "e.g. the shipped one, to continue it on more data or deeper) instead of random ones; the calibrate stage "
         "without a training state re-calibrates this checkpoint (e.g. to fit a copy prior)",
     )
     ap.add_argument("--no-progress", action="store_true")
