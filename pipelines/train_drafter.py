@@ -243,9 +243,9 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
 
     from dspark.dspark_drafter import Fingerprint, build_model, save_checkpoint
     from dspark.dspark_drafter.calibration import sequential_temperature_scaling
-    from dspark.dspark_drafter.checkpoint import warm_start
+    from dspark.dspark_drafter.checkpoint import confine_markov_head, warm_start
     from dspark.dspark_drafter.copy_prior import adjust_logits, fit_confidence
-    from dspark.dspark_drafter.vocab import VOCAB_FILE, save_draft_vocab
+    from dspark.dspark_drafter.vocab import VOCAB_FILE
     from dspark.training.trainer import evaluate, load_state
 
     readers = _readers(work)
@@ -267,6 +267,9 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
         vocab, vocab_info = draft_vocabulary(cfg, target, work, run_folder=state_dir(cfg, work))
     if vocab is not None:
         log(f"draft vocabulary: {vocab_info}")
+        cleared = confine_markov_head(model, vocab)  # what is calibrated is what is saved: W2 over the vocabulary
+        if cleared:
+            log(f"Markov head: zeroed the {cleared} W2 rows outside the draft vocabulary (the checkpoint stores its rows only)")
     calib_rows = list(range(len(readers[split].rows)))
     copy, copy_info = fit_copy_prior(cfg, model, readers[split], calib_rows, vocab, log)
     res = evaluate(model, readers[split], calib_rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
@@ -311,11 +314,10 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
             off = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab)
             extra["eval_tau_greedy_without_copy"] = off.tau_by_domain(decoded=walk)
             log(f"eval tau without the copy prior: {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy_without_copy'].items()})}")
-    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets, copy_prior=copy)
+    save_checkpoint(output, model, Fingerprint.of(target), temperatures=sts.temperatures, extra=extra, offsets=sts.offsets,
+                    copy_prior=copy, draft_vocab=vocab)
     stale = output / VOCAB_FILE
-    if vocab is not None:
-        save_draft_vocab(output, vocab)
-    elif stale.is_file():
+    if vocab is None and stale.is_file():
         stale.unlink()
     log(f"checkpoint written to {output} ({sum(f.stat().st_size for f in output.iterdir()) / 1e6:.1f} MB)")
     return extra

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dspark.drafters.base import DraftRequest, VerifyOutcome
 from dspark.dspark_drafter import (
@@ -16,7 +17,9 @@ from dspark.dspark_drafter import (
     Fingerprint,
     TargetMismatchError,
     build_model,
+    confine_markov_head,
     load_drafter,
+    read_checkpoint,
     save_checkpoint,
 )
 from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
@@ -619,6 +622,37 @@ def test_checkpoint_carries_its_draft_vocabulary(tmp_path, target):
     save_draft_vocab(tmp_path / "ck", torch.tensor([2, 4, 500]))  # 500 >= vocab size 96
     with pytest.raises(ValueError, match="inside the vocabulary"):
         load_drafter(tmp_path / "ck", target)
+
+
+def test_w2_is_stored_over_the_draft_vocabulary_and_drafts_the_same(tmp_path, target):
+    model = make_model(target)  # Markov rank 8
+    with torch.no_grad():
+        model.markov_w2.normal_()  # a trained W2 (a fresh one is zero)
+    vocab = torch.tensor([0, 3, 5, 9, 17, 40, 41, 42, 43, 44, 95])
+    with pytest.raises(ValueError, match="outside the draft vocabulary"):
+        save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), dtype=torch.float32, draft_vocab=vocab)
+    before = model.markov_w2.detach().clone()
+    assert confine_markov_head(model, vocab) == 96 - len(vocab)
+    assert torch.equal(model.markov_w2[vocab], before[vocab]) and int(model.markov_w2.count_nonzero(dim=1).gt(0).sum()) == len(vocab)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), dtype=torch.float32, draft_vocab=vocab)
+
+    stored = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    assert "markov_w2" not in stored and stored["markov_w2.draft_rows"].shape == (len(vocab), 8)
+    ck = read_checkpoint(tmp_path / "ck")
+    assert torch.equal(ck.state["markov_w2"], model.markov_w2.detach()) and torch.equal(ck.draft_vocab, vocab)
+    hidden = fake_hidden(DSparkDrafter(model, eos_token_ids=[]), 6)
+
+    def chain(m):
+        drafter = DSparkDrafter(m, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=vocab)
+        req = DraftRequest(0, [40, 41, 42, 43, 44, 40, 41], SamplingParams())
+        drafter.start(req, hidden)
+        return drafter.propose([req], 5)[0].tokens
+
+    assert chain(load_drafter(tmp_path / "ck", target).model) == chain(model)
+
+    (tmp_path / "ck" / "draft_vocab.safetensors").unlink()  # the rows mean nothing without their tokens
+    with pytest.raises(ValueError, match="draft-vocabulary rows"):
+        read_checkpoint(tmp_path / "ck")
 
 
 # ---------------------------------------------------------------- copy prior

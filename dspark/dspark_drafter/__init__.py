@@ -10,6 +10,7 @@ from pathlib import Path
 from dspark.dspark_drafter.checkpoint import (
     Fingerprint,
     TargetMismatchError,
+    confine_markov_head,
     load_model_for_target,
     read_checkpoint,
     save_checkpoint,
@@ -72,6 +73,7 @@ __all__ = [
     "Fingerprint",
     "TargetMismatchError",
     "build_model",
+    "confine_markov_head",
     "default_checkpoint",
     "load_drafter",
     "load_model_for_target",

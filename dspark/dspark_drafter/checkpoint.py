@@ -5,6 +5,11 @@ optionally, `draft_vocab.safetensors` (the reduced draft vocabulary, `vocab.py`)
 The target's embedding and LM head are not stored: they are shared, frozen and re-attached
 from the target at load time, which is why loading checks the target's fingerprint first.
 Only safetensors is read: no pickle, ever.
+
+With a draft vocabulary, the Markov head's W2 may be stored over its rows only (version 2,
+`markov_w2.draft_rows` [Vd, r]): W2[v] scores token v as the next draft token, and a drafter
+trained over the draft vocabulary never learns the other rows (`confine_markov_head` zeroes
+them). At rank 256 that is 2 MB in bf16 instead of 25.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from dspark.dspark_drafter.copy_prior import CopyPrior
 from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
-from dspark.dspark_drafter.vocab import read_draft_vocab
+from dspark.dspark_drafter.vocab import VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
 FORMAT = "dspark-drafter"
-VERSION = 1
+VERSION = 2  # 2: W2 may be stored over the draft vocabulary's rows; version 1 files read as before
 WEIGHTS = "model.safetensors"
+W2_ROWS = "markov_w2.draft_rows"  # W2[draft_vocab] [Vd, r]; the other rows are zero
 CONFIG = "config.json"
 
 
@@ -90,15 +96,28 @@ def save_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     offsets: list[float] | None = None,
     copy_prior: CopyPrior | None = None,
+    draft_vocab: torch.Tensor | None = None,
 ) -> Path:
-    """Write weights (in `dtype`, bf16 by default: half the size) and config atomically."""
+    """Write weights (in `dtype`, bf16 by default: half the size) and config atomically.
+    With `draft_vocab` (sorted token ids) the vocabulary is written too, and W2 over its rows
+    only: the model's other W2 rows must be zero (`confine_markov_head`), so nothing is lost."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     fp = target_fingerprint.__dict__ if isinstance(target_fingerprint, Fingerprint) else dict(target_fingerprint)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    compact = draft_vocab is not None and model.markov
+    if compact:
+        w2 = model.markov_w2.detach().cpu()
+        outside = torch.ones(len(w2), dtype=torch.bool)
+        outside[draft_vocab.cpu()] = False
+        if bool(w2[outside].any()):
+            raise ValueError("W2 has non-zero rows outside the draft vocabulary: confine_markov_head(model, draft_vocab) first")
+        state[W2_ROWS] = state.pop("markov_w2")[draft_vocab.cpu()].contiguous()
+    if draft_vocab is not None:
+        save_draft_vocab(out, draft_vocab)
     meta = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if compact else 1,  # a file older readers can read stays version 1
         "architecture": model.cfg.to_dict(),
         "calibration": {
             "temperatures": temperatures,
@@ -126,14 +145,22 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if int(meta.get("version", 0)) > VERSION:
         raise ValueError(f"{p} has checkpoint version {meta['version']}; this DSpark reads up to {VERSION}")
     config = DSparkConfig.from_dict(meta["architecture"])
+    state = load_file(str(p / WEIGHTS))
+    vocab = read_draft_vocab(p, config.vocab_size)
+    if W2_ROWS in state:
+        rows = state.pop(W2_ROWS)
+        if vocab is None or rows.shape[0] != len(vocab):
+            raise ValueError(f"{p}: W2 is stored over {rows.shape[0]} draft-vocabulary rows, but the checkpoint's "
+                             f"{VOCAB_FILE} {'is missing' if vocab is None else f'has {len(vocab)} tokens'}")
+        state["markov_w2"] = rows.new_zeros(config.vocab_size, rows.shape[1]).index_copy_(0, vocab, rows)
     return Checkpoint(
         config=config,
-        state=load_file(str(p / WEIGHTS)),
+        state=state,
         temperatures=(meta.get("calibration") or {}).get("temperatures"),
         offsets=(meta.get("calibration") or {}).get("offsets"),
         target=meta.get("target") or {},
         extra=meta.get("extra") or {},
-        draft_vocab=read_draft_vocab(p, config.vocab_size),
+        draft_vocab=vocab,
         copy_prior=CopyPrior.from_dict((meta.get("calibration") or {}).get("copy_prior")),
     )
 
@@ -149,6 +176,25 @@ def load_model_for_target(
     _load_weights(model, ck, str(path))
     model.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
     return model, ck
+
+
+@torch.no_grad()
+def confine_markov_head(model: DSparkModel, draft_vocab: torch.Tensor) -> int:
+    """Zero W2's rows outside the draft vocabulary; returns how many were non-zero.
+
+    W2[v] is the Markov head's half of token v's bias as the next draft token. The drafter
+    proposes only draft-vocabulary tokens, and a drafter trained over them (`reduced_vocab`)
+    never learns the other rows: they keep whatever a warm start brought and only shrink under
+    weight decay. The one use they had: a token copied from the context from outside the
+    vocabulary (the copy prior) was scored with its row; it is now scored from its LM-head
+    row and the copy bonus alone. Call before calibrating, so the figures are of what is saved."""
+    if not model.markov:
+        return 0
+    outside = torch.ones(model.cfg.vocab_size, dtype=torch.bool, device=model.markov_w2.device)
+    outside[draft_vocab.to(outside.device)] = False
+    nonzero = int(model.markov_w2[outside].any(dim=1).sum())
+    model.markov_w2[outside] = 0.0
+    return nonzero
 
 
 def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
