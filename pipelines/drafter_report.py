@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     from dspark.dspark_drafter.calibration import ece, reliability, roc_auc, survival, prefix_accepted
     from dspark.dspark_drafter.copy_prior import adjust_logits
     from dspark.training.cache import CacheReader
+    from dspark.training.round_ends import round_ends_by_domain
     from dspark.training.trainer import evaluate
     from pipelines.train_drafter import load_target, setup_torch
 
@@ -196,6 +198,9 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     c_cal = 1.0 / (1.0 + np.exp(-(z_cal / np.asarray(temps)[None, :] + np.asarray(offsets)[None, :])))
     thr = np.round(np.arange(0.0, 1.0001, 0.05), 2)
     tps, rate, ver = threshold_sweep(res.accepted, c_cal, thr, *((res.rows, res.anchors) if walk else ()))
+    if walk:  # needs every anchor, like tau per round
+        ends = round_ends_by_domain(res, None if vocab is None else vocab.numpy())
+        results["dspark"]["round_ends"] = {d: asdict(e) for d, e in ends.items()}
     results["dspark"]["sweep"] = {"threshold": thr.tolist(), "tokens_per_step": tps.tolist(), "acceptance_rate": rate.tolist(), "mean_verified": ver.tolist()}
     out.mkdir(parents=True, exist_ok=True)
     files = _plots(out, results, sts, gamma)
@@ -258,6 +263,27 @@ def _tau_table(r: dict, doms: list[str], key: str = "tau") -> list[str]:
     return lines
 
 
+def _round_ends_table(ends: dict | None) -> list[str]:
+    if not ends:
+        return []
+    lines = [
+        "## Where rounds end (DSpark)",
+        "",
+        "The rounds greedy decoding takes (the walk behind tau), classified by the target token at the position "
+        "where each ended: outside the draft vocabulary (the drafter could not propose it), and seen earlier in "
+        "the sequence (prompt, answer so far or the block: what copying could propose at best). "
+        "Shares of the rounds that ended; `dspark/training/round_ends.py`.",
+        "",
+        "| domain | rounds | whole block | ended at 1 | at 2 | at 3+ | outside vocabulary | outside, seen earlier | seen earlier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for d, e in ends.items():
+        at = e["ended_at"]
+        lines.append(f"| {d} | {e['rounds']} | {e['whole_block']:.1%} | {at[0]:.1%} | {at[1]:.1%} | {sum(at[2:]):.1%} | "
+                     f"{e['outside_vocab']:.1%} | {e['outside_vocab_seen']:.1%} | {e['seen']:.1%} |")
+    return lines + [""]
+
+
 def _markdown(s: dict, files: list[str]) -> str:
     r = s["results"]
     doms = [d for d in r["dspark"]["tau"] if d != "all"] + ["all"]
@@ -304,10 +330,8 @@ def _markdown(s: dict, files: list[str]) -> str:
         "| DSpark, sampling at T=1 (1 - TV) | " + " | ".join(f"{x:.3f}" for x in r["dspark"]["sampling_acceptance_T1"]) + " |"
     )
     sw = r["dspark"]["sweep"]
+    lines += ["", "![per-position acceptance](per_position_acceptance.png)", "", *_round_ends_table(r["dspark"].get("round_ends"))]
     lines += [
-        "",
-        "![per-position acceptance](per_position_acceptance.png)",
-        "",
         "## Confidence-threshold sweep (DSpark, calibrated confidences)",
         "",
         "Static policy: verify draft positions while every calibrated c_k so far is >= t"

@@ -452,6 +452,34 @@ def test_decoded_tau_walks_the_answer_round_by_round():
         both.subset(np.array([True, False] * 4)).decoded_tau()  # stride 2 cannot be walked
 
 
+def test_seen_before_looks_at_the_sequence_up_to_the_anchor_and_the_block_so_far():
+    from dspark.training.trainer import seen_before
+
+    tokens = [7, 8, 9, 10, 11]
+    targets = np.array([[9, 11, 11], [10, 12, 12]])  # blocks at anchors 2 and 3
+    # anchor 2 sees 7 8 9: 9 yes; 11 comes later in the row (not yet seen), then it is in the block
+    # anchor 3 sees 7 8 9 10: 10 yes; 12 is new, then repeated inside the block
+    assert seen_before(tokens, [2, 3], targets).tolist() == [[True, False, True], [True, False, True]]
+
+
+def test_round_ends_classifies_the_token_where_each_round_stopped():
+    from dspark.training.round_ends import round_ends
+    from dspark.training.trainer import EvalResult
+
+    # one answer, gamma 2, anchors 10..13: the walk visits 10 (gains 1), 11 (gains 3), then 14: done
+    acc = np.array([[0, 1], [1, 1], [1, 0], [0, 0]], dtype=float)
+    targets = np.array([[50, 1], [2, 3], [4, 60], [70, 5]])
+    seen = np.array([[True, False], [False, False], [False, True], [False, False]])
+    z = np.zeros_like(acc)
+    res = EvalResult(acc, z, z, ["code"] * 4, None, np.zeros(4, np.int64), np.arange(10, 14), targets, seen)
+    ends = round_ends(res, draft_vocab=np.arange(10))
+    # 2 rounds; the one at 11 accepted its whole block; the one at 10 ended at position 1 on
+    # token 50: outside the vocabulary and seen earlier
+    assert ends.rounds == 2 and ends.whole_block == 0.5 and ends.ended_at == [1.0, 0.0]
+    assert (ends.outside_vocab, ends.outside_vocab_seen, ends.seen) == (1.0, 1.0, 1.0)
+    assert round_ends(res, draft_vocab=None).outside_vocab == 0.0  # drafting from the whole vocabulary
+
+
 def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cache_dir, target, tmp_path):
     import shutil
 
@@ -472,10 +500,13 @@ def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cac
     assert s["results"]["dspark"]["tau_per_anchor"] == pytest.approx(res.tau_by_domain())
     md = (tmp_path / "report" / "report.md").read_text()
     assert "tokens per round" in md and "Averaged over every anchor instead" in md
+    ends = s["results"]["dspark"]["round_ends"]["all"]  # every round the walk takes, classified where it ended
+    assert ends["rounds"] > 0 and sum(ends["ended_at"]) == pytest.approx(1.0) and "## Where rounds end" in md
     assert all((tmp_path / "report" / f).is_file() for f in ("tau_per_domain.png", "reliability.png", "threshold_sweep.png"))
     # a stride that skips anchors cannot be walked: the report says which tau it shows
     s2 = build_report(cfg, tmp_path / "report2", tmp_path / "ck", None, None, stride=2)
     assert s2["tau_kind"] == "per anchor" and "overstates" in (tmp_path / "report2" / "report.md").read_text()
+    assert "round_ends" not in s2["results"]["dspark"]
 
 
 def test_threshold_sweep_per_round_walks_the_policy():

@@ -165,6 +165,8 @@ class EvalResult:
     copy_class: np.ndarray | None = None  # [n, G] the copy prior's match class per step (0: none)
     rows: np.ndarray | None = None  # [n] the cache row of each block
     anchors: np.ndarray | None = None  # [n] its anchor position in that row
+    targets: np.ndarray | None = None  # [n, G] the target's greedy token at each block position
+    seen: np.ndarray | None = None  # [n, G] that token occurs earlier in the sequence (prompt, answer, block)
 
     def tau(self, mask: np.ndarray | None = None) -> float:
         """Greedy tau = 1 + accepted prefix length, averaged over anchors (counts the bonus token).
@@ -202,7 +204,8 @@ class EvalResult:
     def subset(self, mask: np.ndarray) -> "EvalResult":
         pick = lambda a: None if a is None else a[mask]  # noqa: E731
         doms = [d for d, m in zip(self.domains, mask) if m]
-        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], doms, pick(self.copy_class), pick(self.rows), pick(self.anchors))
+        return EvalResult(self.accepted[mask], self.conf_logits[mask], self.l1[mask], doms, pick(self.copy_class), pick(self.rows),
+                          pick(self.anchors), pick(self.targets), pick(self.seen))
 
 
 def free_running(
@@ -262,6 +265,21 @@ def _eval_items(reader: CacheReader, rows: list[int], gamma: int, stride: int, m
     return items
 
 
+def seen_before(tokens: list[int], anchors: list[int], targets: np.ndarray) -> np.ndarray:
+    """Per block of one row (anchors [n], targets [n, G]): whether target token k occurs
+    earlier in the sequence, i.e. in tokens[: anchor + 1] or among the block's targets before
+    k -> bool [n, G]. What a copy mechanism could have proposed."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(tokens):
+        first.setdefault(t, i)
+    out = np.zeros(targets.shape, dtype=bool)
+    for j, a in enumerate(anchors):
+        row = targets[j].tolist()
+        for k, t in enumerate(row):
+            out[j, k] = first.get(t, a + 1) <= a or t in row[:k]
+    return out
+
+
 def _lookups(pool: ShardPool, chunk: list[tuple[int, int]], orders: tuple[int, ...]) -> list[tuple[NgramIndex, list[int]]]:
     """Per block (in Batch order): an n-gram index of its row's tokens up to the anchor, and them."""
     out = []
@@ -316,7 +334,7 @@ def evaluate_copy_priors(
     acc = [[] for _ in priors]
     conf = [[] for _ in priors]
     cls = [[] for _ in priors]
-    l1s, doms, where = [], [], []
+    l1s, doms, where, targets, seen = [], [], [], [], []
     forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
     if draft_vocab is not None:
         forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
@@ -331,6 +349,12 @@ def evaluate_copy_priors(
         full = out.base_logits.float()  # [B, G, V]
         masked = full if forbid is None else full + forbid
         target = target_logits(model, batch.final)
+        greedy = target.argmax(-1).numpy()  # [B, G]
+        targets.append(greedy)
+        at = 0
+        for r, anchors in group_by_row(chunk):
+            seen.append(seen_before(pool.row(r)["tokens"].tolist(), anchors, greedy[at : at + len(anchors)]))
+            at += len(anchors)
         lookups = _lookups(pool, chunk, orders) if orders else None
         for j, prior in enumerate(priors):
             drafted, c, m = free_running(model, masked, out.conf_h, batch.tokens[:, 0], markov, prior, lookups, full)
@@ -346,11 +370,12 @@ def evaluate_copy_priors(
     if not l1s:
         z = np.zeros((0, g))
         e = np.zeros(0, np.int64)
-        return [EvalResult(z, z, z, [], z.astype(np.int64), e, e) for _ in priors]
+        return [EvalResult(z, z, z, [], z.astype(np.int64), e, e, z.astype(np.int64), z.astype(bool)) for _ in priors]
     l1 = np.concatenate(l1s)
     rows_, anchors_ = (np.array(x, dtype=np.int64) for x in zip(*where))
+    targets_, seen_ = np.concatenate(targets), np.concatenate(seen)
     return [
-        EvalResult(np.concatenate(a).astype(np.float64), np.concatenate(c), l1, doms, np.concatenate(m), rows_, anchors_)
+        EvalResult(np.concatenate(a).astype(np.float64), np.concatenate(c), l1, doms, np.concatenate(m), rows_, anchors_, targets_, seen_)
         for a, c, m in zip(acc, conf, cls)
     ]
 
