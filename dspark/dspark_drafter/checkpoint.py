@@ -185,9 +185,9 @@ def confine_markov_head(model: DSparkModel, draft_vocab: torch.Tensor) -> int:
     W2[v] is the Markov head's half of token v's bias as the next draft token. The drafter
     proposes only draft-vocabulary tokens, and a drafter trained over them (`reduced_vocab`)
     never learns the other rows: they keep whatever a warm start brought and only shrink under
-    weight decay. The one use they had: a token copied from the context from outside the
-    vocabulary (the copy prior) was scored with its row; it is now scored from its LM-head
-    row and the copy bonus alone. Call before calibrating, so the figures are of what is saved."""
+    weight decay. Their one use: a token the copy prior copies from outside the vocabulary was
+    scored with its row; it is now scored from its LM-head row and the copy bonus alone. Call
+    before calibrating, so that the calibration and the figures are of what is saved."""
     if not model.markov:
         return 0
     outside = torch.ones(model.cfg.vocab_size, dtype=torch.bool, device=model.markov_w2.device)
