@@ -107,10 +107,8 @@ def save_checkpoint(
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     compact = draft_vocab is not None and model.markov
     if compact:
-        w2 = model.markov_w2.detach().cpu()
-        outside = torch.ones(len(w2), dtype=torch.bool)
-        outside[draft_vocab.cpu()] = False
-        if bool(w2[outside].any()):
+        w2 = model.markov_w2.detach()
+        if bool(w2[_outside(draft_vocab, len(w2), w2.device)].any()):
             raise ValueError("W2 has non-zero rows outside the draft vocabulary: confine_markov_head(model, draft_vocab) first")
         state[W2_ROWS] = state.pop("markov_w2")[draft_vocab.cpu()].contiguous()
     if draft_vocab is not None:
@@ -190,11 +188,17 @@ def confine_markov_head(model: DSparkModel, draft_vocab: torch.Tensor) -> int:
     before calibrating, so that the calibration and the figures are of what is saved."""
     if not model.markov:
         return 0
-    outside = torch.ones(model.cfg.vocab_size, dtype=torch.bool, device=model.markov_w2.device)
-    outside[draft_vocab.to(outside.device)] = False
+    outside = _outside(draft_vocab, model.cfg.vocab_size, model.markov_w2.device)
     nonzero = int(model.markov_w2[outside].any(dim=1).sum())
     model.markov_w2[outside] = 0.0
     return nonzero
+
+
+def _outside(draft_vocab: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] bool: True for the tokens not in the draft vocabulary."""
+    mask = torch.ones(vocab_size, dtype=torch.bool, device=device)
+    mask[draft_vocab.to(device)] = False
+    return mask
 
 
 def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
