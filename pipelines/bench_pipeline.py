@@ -155,6 +155,15 @@ def warm_up(args: argparse.Namespace) -> None:
     LOG.info("Warm-up (imports, model cache, cost table) took %.1f s", time.perf_counter() - started)
 
 
+def share_equal(ours: dict[str, str], theirs: dict[str, str]) -> float:
+    """Share of our rows (by id) whose output is the same text in theirs (a missing row differs)."""
+    return sum(theirs.get(i) == t for i, t in ours.items()) / len(ours) if ours else float("nan")
+
+
+def pipeline_dir(args: argparse.Namespace, scheduler: str) -> Path:
+    return args.out / f"pipeline-{scheduler.replace(':', '_')}"
+
+
 def outputs_by_id(out: Path) -> dict[str, str]:
     from transforms.summary import read_output_table
 
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             kind, _, sched = name.partition(" ")
             LOG.info("Repeat %d/%d: %s", rep + 1, args.repeats, name)
             if kind == "pipeline":
-                out = args.out / f"pipeline-{sched.replace(':', '_')}"
+                out = pipeline_dir(args, sched)
                 per_repeat[name].append(run_pipeline(args, str(args.out / "shards" / "*.parquet"), sched, out))
                 if sched == main_s and not got:
                     got = outputs_by_id(out)
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             "job": pipeline[main_s]["job_tokens_per_s"] / pipeline[other]["job_tokens_per_s"],
             "engine": pipeline[main_s]["engine_tokens_per_s"] / pipeline[other]["engine_tokens_per_s"],
         }
+        # lossless in float32; in bfloat16 a multi-token verify can flip greedy near-ties
+        report[f"outputs_equal_to_{other}"] = share_equal(got, outputs_by_id(pipeline_dir(args, other)))
     if not args.skip_direct:
         direct = median_run(per_repeat[f"direct {main_s}"])
         report["direct"] = direct
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         d = report["direct"]
         print(f"{'direct ' + main_s:<22}{d['output_tokens']:>8}{d['load_s'] + d['generate_s']:>9.1f}"
               f"{d['tokens_per_s_with_load']:>11.1f}{d['tokens_per_s']:>14.1f}")
-    for key in [k for k in report if k.startswith("speedup") or k in ("pipeline_overhead", "outputs_equal_to_direct")]:
+    for key in [k for k in report if k.startswith(("speedup", "outputs_equal_to_")) or k in ("pipeline_overhead", "outputs_equal_to_direct")]:
         print(f"{key}: {json.dumps(report[key])}")
     print(f"report: {args.out / 'bench.json'}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.bench_pipeline import main, median_run
+from pipelines.bench_pipeline import main, median_run, share_equal
 
 
 def test_median_run_takes_each_numeric_field_median():
@@ -23,3 +23,9 @@ def test_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["--repeats", "0"])
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_share_equal_counts_rows_with_the_same_text_by_id():
+    ours = {"a": "x", "b": "y", "c": "z", "d": "w"}
+    theirs = {"a": "x", "b": "Y", "d": "w", "e": "x"}  # b differs, c is missing
+    assert share_equal(ours, theirs) == 0.5
