@@ -18,7 +18,8 @@ What it does:
   5. writes OUT/bench.json (every repeat included) and prints a table.
 Figures: `job tok/s` = output tokens / the whole job's wall time (model load, Beam, writes
 included); `engine tok/s` = output tokens / time inside engine calls. speedup = dspark / ar;
-overhead = pipeline job wall / (direct load + generate wall) - 1.
+overhead = pipeline job wall / (direct load + generate wall) - 1; outputs_equal_to_<s> = share
+of rows whose output equals scheduler s's job (1.0 in float32; bfloat16 verify blocks flip near-ties).
 """
 
 from __future__ import annotations
