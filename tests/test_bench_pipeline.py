@@ -29,3 +29,5 @@ def test_share_equal_counts_rows_with_the_same_text_by_id():
     ours = {"a": "x", "b": "y", "c": "z", "d": "w"}
     theirs = {"a": "x", "b": "Y", "d": "w", "e": "x"}  # b differs, c is missing
     assert share_equal(ours, theirs) == 0.5
+    assert share_equal(ours, dict(ours)) == 1.0
+    assert share_equal({"c": "z"}, theirs) == 0.0  # a row they lack counts as different
