@@ -90,15 +90,18 @@ def setup_torch(cfg: dict) -> None:
     torch.manual_seed(int(cfg.get("seed", 0)))
 
 
-def load_target(cfg: dict):
-    """The config's target; "tiny" is a random tiny Llama for smoke runs of the whole job."""
+def load_target(cfg: dict, dtype: str | None = None):
+    """The config's target in `dtype` (default: the config's `dtype`); "tiny" is a random tiny
+    Llama for smoke runs of the whole job."""
+    dtype = dtype or cfg.get("dtype", "float32")
     if cfg.get("target") == "tiny":
+        from dspark.models import resolve_dtype
         from dspark.training.tiny import tiny_target
 
-        return tiny_target(seed=int(cfg.get("seed", 0)))
+        return tiny_target(seed=int(cfg.get("seed", 0)), dtype=resolve_dtype(dtype))
     from dspark.models import load_model
 
-    return load_model(cfg.get("target", "smollm2-135m-instruct"), dtype=cfg.get("dtype", "float32"))
+    return load_model(cfg.get("target", "smollm2-135m-instruct"), dtype=dtype)
 
 
 def model_config(cfg: dict, target):
@@ -126,7 +129,7 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
         plan = plan_generation(prompts, encode, split, limit, cap)
         plan = interleave_sources(plan)
         what = f"sampled pass {tag!r} (temperature {temperature})" if tag else "greedy"
-        log(f"generate {split}, {what}: {len(plan)} prompts planned")
+        log(f"generate {split}, {what}, target in {str(target.dtype).removeprefix('torch.')}: {len(plan)} prompts planned")
         generate_with_cache(
             target,
             plan,
@@ -410,13 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     log(f"config {args.config}, stages {stages}, work_dir {work}, output {output}, pid {os.getpid()}")
     setup_torch(cfg)
 
-    target = load_target(cfg)
-    if "generate" in stages:
-        stage_generate(cfg, target, work, log, deadline)
+    targets: dict = {}
+
+    def target_in(dtype: str):  # each dtype loaded once
+        if dtype not in targets:
+            targets[dtype] = load_target(cfg, dtype)
+        return targets[dtype]
+
+    dtype = cfg.get("dtype", "float32")
+    if "generate" in stages:  # `generate.dtype` may differ: answers and cache only, training stays in `dtype`
+        stage_generate(cfg, target_in((cfg.get("generate") or {}).get("dtype") or dtype), work, log, deadline)
     if "train" in stages:
-        stage_train(cfg, target, work, log, deadline, progress=not args.no_progress, init_from=args.init_from)
+        stage_train(cfg, target_in(dtype), work, log, deadline, progress=not args.no_progress, init_from=args.init_from)
     if "calibrate" in stages:
-        stage_calibrate(cfg, target, work, output, log, init_from=args.init_from)
+        stage_calibrate(cfg, target_in(dtype), work, output, log, init_from=args.init_from)
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 import torch
 
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
@@ -401,6 +402,27 @@ def test_a_sampled_pass_can_answer_only_the_shorter_train_prompts(target, tmp_pa
     stage_generate(cfg, target, tmp_path / "work", Logger(tmp_path / "log.txt"), deadline=None)
     answered = sorted(r["id"] for r in read_jsonl(tmp_path / "work" / "cache" / "train" / "answers.jsonl"))
     assert answered == sorted(ids + [f"{i}~s" for k, i in enumerate(ids) if k % 2])
+
+
+def test_generate_dtype_sets_the_generating_target_only(tmp_path):
+    """`generate.dtype` answers (and records the cache) in another dtype, e.g. bf16 on a CPU with
+    fast bf16 matmuls; the train and calibrate stages keep the config's `dtype`."""
+    from pipelines.train_drafter import load_target, main
+
+    ids = [i for i in (f"r{n}" for n in range(200)) if split_of(i) == "train"][:3]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i, "domain": "chat", "turns": ["w3 w4 w5"]}) + "\n" for i in ids))
+    cfg = {
+        "target": "tiny", "dtype": "float32", "work_dir": str(tmp_path / "work"),
+        "prompts": {"dir": str(tmp_path)},
+        "generate": {"dtype": "bfloat16", "batch_size": 3, "max_new_tokens": 4, "shard_size": 3},
+        "model": {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "gamma": 4, "context_len": 6, "markov_rank": 16, "target_layers": list(LAYERS)},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(tmp_path / "c.yaml"), "--stages", "generate", "--no-progress"]) == 0
+    log = (tmp_path / "work" / "train_drafter.log").read_text()
+    assert "generate train, greedy, target in bfloat16: 3 prompts planned" in log
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "work" / "cache" / "train" / "answers.jsonl")) == sorted(ids)
+    assert load_target(cfg).dtype == torch.float32 and load_target(cfg, "bfloat16").dtype == torch.bfloat16
 
 
 def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, target, tmp_path):
