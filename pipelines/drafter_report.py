@@ -32,6 +32,12 @@ from pathlib import Path
 import numpy as np
 
 
+def _bonus_text(prior: dict) -> str:
+    """A copy prior's bonuses as the report prints them: per order, then per (order, kind)."""
+    kinds = prior.get("kind_bonuses")
+    return f"{prior['bonuses']}" + (f", per kind {kinds}" if kinds else "")
+
+
 def threshold_sweep(
     accepted: np.ndarray, survival_conf: np.ndarray, thresholds: np.ndarray, rows: np.ndarray | None = None, anchors: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -148,7 +154,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     vocab_note = "" if vocab is None else f", draft vocabulary {len(vocab)}"
     t0 = time.time()
     copy = ck.copy_prior
-    copy_note = "" if copy is None else f", copy prior {copy.to_dict()['bonuses']}"
+    copy_note = "" if copy is None else f", copy prior {_bonus_text(copy.to_dict())}"
     walk = stride == 1 and max_blocks is None  # a per-round walk needs every anchor
     res = evaluate(model, reader, rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
     steps = {"dspark": _trained_steps(ck)}
@@ -309,8 +315,9 @@ def _markdown(s: dict, files: list[str]) -> str:
         lift = r["dspark"]["tau"]["all"] / r["dspark_no_copy"]["tau"]["all"] - 1
         copy_line = [
             "",
-            f"Copy prior ({s['copy_prior']['bonuses']}, fitted on the calib split): {100 * lift:+.1f}% tau overall. "
-            "It adds a bonus to the token that followed the latest earlier occurrence of the path's last n-gram "
+            f"Copy prior ({_bonus_text(s['copy_prior'])}, fitted on the calib split): {100 * lift:+.1f}% tau overall. "
+            "It adds a bonus to the token that followed the latest earlier occurrence of the path's last n-gram, "
+            "by order and kind of match (u: seen once, c: always continued alike, a: not) "
             "(dspark/dspark_drafter/copy_prior.py); the rows above and below without it show the network alone.",
         ]
     lines += copy_line + [

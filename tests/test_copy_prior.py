@@ -8,23 +8,36 @@ from hypothesis import strategies as st
 
 import numpy as np
 
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, adjust_logits, fit_bonuses, fit_confidence, match_class
+from dspark.dspark_drafter.copy_prior import (
+    CopyPrior,
+    Match,
+    NgramIndex,
+    adjust_logits,
+    fit_bonuses,
+    fit_confidence,
+    match_class,
+)
 
 PRIOR = CopyPrior(((2, 1.0), (3, 10.0), (4, 100.0)))
+# a bigram seen once gives nothing, one always continued the same way a lot
+KINDED = CopyPrior(((2, 1.0), (3, 10.0), (4, 100.0)), kind_bonuses=((2, "u", 0.0), (2, "c", 7.0), (3, "a", 0.5)))
 
 
 def brute_force(seq: list[int], prior: CopyPrior) -> dict[int, float]:
     """The spec: per order o, the token after the most recent EARLIER occurrence of seq's last
-    o - 1 tokens, anywhere in seq."""
+    o - 1 tokens, anywhere in seq, with the bonus of the match's kind: u (one earlier
+    occurrence), c (several, one follower), a (several followers)."""
     out: dict[int, float] = {}
-    for o, bonus in prior.bonuses:
-        if bonus <= 0 or len(seq) < o - 1:
+    for o, _ in prior.bonuses:
+        if len(seq) < o - 1:
             continue
         key = seq[len(seq) - o + 1 :]
-        for i in range(len(seq) - 1, o - 2, -1):  # i: the follower's position
-            if seq[i - o + 1 : i] == key:
-                out[seq[i]] = out.get(seq[i], 0.0) + bonus
-                break
+        followers = [seq[i] for i in range(len(seq) - 1, o - 2, -1) if seq[i - o + 1 : i] == key]  # latest first
+        if not followers:
+            continue
+        kind = "u" if len(followers) == 1 else ("c" if len(set(followers)) == 1 else "a")
+        if prior.bonus(o, kind) > 0:
+            out[followers[0]] = out.get(followers[0], 0.0) + prior.bonus(o, kind)
     return out
 
 
@@ -49,15 +62,29 @@ def test_extend_piecewise_equals_extend_at_once():
 @given(
     seq=st.lists(st.integers(0, 3), min_size=1, max_size=30),
     fresh=st.integers(0, 8),
+    prior=st.sampled_from([PRIOR, KINDED]),
 )
-def test_lookups_over_committed_and_drafted_tokens_match_the_spec(seq, fresh):
+def test_lookups_over_committed_and_drafted_tokens_match_the_spec(seq, fresh, prior):
     """The index holds the committed tokens; the last `fresh` are drafted ones it has not seen.
     Looking up with the committed tail + the drafted path must equal a scan of everything."""
     fresh = min(fresh, len(seq) - 1)
     committed, path = seq[: len(seq) - fresh], seq[len(seq) - fresh :]
-    index = NgramIndex(PRIOR.orders, committed)
-    suffix = committed[-PRIOR.span :] + path
-    assert index.candidates(suffix, PRIOR, fresh=len(path)) == brute_force(seq, PRIOR)
+    index = NgramIndex(prior.orders, committed)
+    suffix = committed[-prior.span :] + path
+    assert index.candidates(suffix, prior, fresh=len(path)) == brute_force(seq, prior)
+
+
+def test_match_kinds_tell_unique_consistent_and_ambiguous_matches_apart():
+    index = NgramIndex([2, 3], [5, 1, 5, 1, 6, 2, 6, 3, 7, 4])
+    every = CopyPrior(((2, 1.0), (3, 1.0)))
+    assert index.matches([5], every)[2] == Match(1, "c")  # 5 -> 1 twice
+    assert index.matches([6], every)[2] == Match(3, "a")  # 6 -> 2, then 6 -> 3: the latest
+    assert index.matches([7], every)[2] == Match(4, "u")
+    assert index.matches([5, 7], every, fresh=1)[2] == Match(4, "u")
+    # a drafted 7 -> 9 makes 7 ambiguous, and it is the latest follower
+    assert index.matches([7, 9, 7], every, fresh=2)[2] == Match(9, "a")
+    assert index.matches([7], KINDED) == {}  # unique bigrams get no bonus there
+    assert index.candidates([5], KINDED) == {1: 7.0}
 
 
 def test_zero_bonuses_and_short_suffixes_propose_nothing():
@@ -71,6 +98,13 @@ def test_prior_validates_and_round_trips():
     prior = CopyPrior(((4, 8.0), (2, 0.0), (3, 8.0)), ((4, 0.5, 2.0), (0, 1.0, -0.5)))
     assert prior.bonuses == ((2, 0.0), (3, 8.0), (4, 8.0)) and prior.orders == (3, 4) and prior.span == 3
     assert CopyPrior.from_dict(prior.to_dict()) == prior
+    kinded = prior.with_bonus(2, 4.0, "c")
+    assert kinded.orders == (2, 3, 4) and kinded.bonus(2, "c") == 4.0 and kinded.bonus(2, "u") == 0.0
+    assert kinded.to_dict()["kind_bonuses"] == {"2c": 4.0}
+    assert CopyPrior.from_dict(kinded.to_dict()) == kinded
+    assert kinded.with_bonus(2, 1.0).bonus(2, "c") == 1.0  # a per-order bonus replaces its kinds'
+    with pytest.raises(ValueError, match="kind"):
+        CopyPrior(((2, 1.0),), kind_bonuses=((2, "x", 1.0),))
     corrected = adjust_logits(prior, np.array([3.0, 3.0, 3.0]), np.array([4, 0, 3]))
     assert corrected.tolist() == [3.5, 2.5, 3.0]  # class 3 has no correction: identity
     assert CopyPrior.from_dict(None) is None and CopyPrior.from_dict({}) is None
@@ -96,6 +130,16 @@ def test_fit_finds_the_best_grid_point_and_keeps_small_bonuses_on_ties():
     assert max(len(call) for call in calls) == 4  # a coordinate's new grid values in one call
 
 
+def test_fit_per_kind_moves_one_kind_at_a_time():
+    def score(priors):  # only consistent bigrams and unique trigrams help
+        return [-abs(p.bonus(2, "c") - 8) - abs(p.bonus(3, "u") - 4) - p.bonus(2, "u") for p in priors]
+
+    start = CopyPrior(((2, 0.0), (3, 4.0)))
+    best, tried = fit_bonuses(score, [2, 3], [4, 8], kinds=("u", "c", "a"), start=start)
+    assert best.bonus(2, "c") == 8.0 and best.bonus(3, "u") == 4.0 and best.bonus(2, "u") == 0.0
+    assert tried[0][0] == start
+
+
 def test_fit_without_gain_stays_off():
     best, tried = fit_bonuses(lambda priors: [1.0 for _ in priors], [2, 3], [4, 8])
     assert not best.active and len(tried) == 1 + 2 * 2
@@ -104,7 +148,7 @@ def test_fit_without_gain_stays_off():
 def test_match_class_is_the_longest_matched_order():
     index = NgramIndex([2, 3, 4], [1, 2, 3, 9, 2, 3])
     found = index.matches([9, 2, 3], PRIOR)
-    assert found == {2: 9, 3: 9} and match_class(found) == 3  # (2, 3) -> 9; (9, 2, 3) never followed
+    assert {o: m.token for o, m in found.items()} == {2: 9, 3: 9} and match_class(found) == 3  # (2, 3) -> 9; (9, 2, 3) never followed
     assert match_class({}) == 0
 
 

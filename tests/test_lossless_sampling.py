@@ -190,7 +190,8 @@ def check_engine_sampling(target, drafter_kind: str) -> None:
     elif drafter_kind == "dspark-reduced-vocab":
         drafter = reduced_vocab_dspark_drafter(target)
     elif drafter_kind == "dspark-copy-prior":  # (1, 2) -> 3 inside the vocabulary, (2, 3) -> 1 outside
-        drafter = reduced_vocab_dspark_drafter(target, CopyPrior(((2, 1.0), (3, 2.0))))
+        # 2 -> 3 and 3 -> 1 are consistent bigram matches: their kind has a bonus of its own
+        drafter = reduced_vocab_dspark_drafter(target, CopyPrior(((2, 1.0), (3, 2.0)), kind_bonuses=((2, "c", 3.0),)))
     elif drafter_kind == "dspark+ngram":  # a sampled chain and n-gram point masses as siblings
         drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
     else:

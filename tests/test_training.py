@@ -12,6 +12,7 @@ import yaml
 import torch
 
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
+from dspark.dspark_drafter.copy_prior import CopyPrior
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
 from dspark.training.data import Prompt, load_prompts, plan_generation, read_jsonl, split_of
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
@@ -440,7 +441,8 @@ def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, t
     for split in ("calib", "eval"):
         shutil.copytree(cache_dir, work / "cache" / split)
     model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
-    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": {"orders": [2, 3], "grid": [2, 8, 32]}}
+    copy = {"orders": [2, 3], "grid": [2, 8, 32], "kinds": ["u", "c", "a"], "kind_grid": [4]}
+    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": copy}
     lines: list[str] = []
     with pytest.raises(SystemExit, match="--init-from"):
         stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append)
@@ -452,6 +454,11 @@ def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, t
     assert drafter.copy is not None and drafter.copy.active and drafter.copy.confidence
     assert extra["training"]["steps"] == 7 and extra["copy_prior_fit"]["tried"]
     assert any("copy prior on" in line for line in lines)
+    # the per-kind sweep starts from the per-order fit and keeps only what scores better
+    tried = [(CopyPrior.from_dict(p), t) for p, t in extra["copy_prior_fit"]["tried"]]
+    per_order = max((t for p, t in tried if not p.kind_bonuses), default=None)
+    assert any(p.kind_bonuses for p, _ in tried) and max(t for _, t in tried) >= per_order
+    assert any("per match kind" in line for line in lines)
 
 
 def test_decoded_tau_walks_the_answer_round_by_round():

@@ -121,7 +121,8 @@ def test_dspark_with_a_copy_prior_greedy_equals_plain_greedy(batch_size, sched, 
     """Copied tokens (most outside the reduced vocabulary) only change what is proposed."""
     prompts = ragged_prompts(6)
     expected = [hf_greedy(tiny_llama, p, 16) for p in prompts]
-    drafter = random_dspark(tiny_llama, CopyPrior(((2, 4.0), (3, 8.0))), draft_vocab=torch.arange(0, 40))
+    prior = CopyPrior(((2, 4.0), (3, 8.0)), kind_bonuses=((2, "u", 0.0), (2, "c", 12.0)))  # bonuses per kind of match too
+    drafter = random_dspark(tiny_llama, prior, draft_vocab=torch.arange(0, 40))
     results = DSparkGenerator(tiny_llama, drafter, scheduler(sched), max_batch_size=batch_size).generate(prompts, max_new_tokens=16)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted for r in results) > 0

@@ -26,7 +26,8 @@ handles exactly.
 
 With a copy prior (`dspark.dspark_drafter.copy_prior`) each Markov step also adds a bonus to
 the tokens that followed the latest earlier occurrences of the path's last n-grams, in the
-committed sequence (`request.state["ngrams"]`) or along the drafted path itself. A copied
+committed sequence (`request.state["ngrams"]`) or along the drafted path itself, by the
+n-gram's order and the kind of match (seen once, always continued alike, or not). A copied
 token outside the draft vocabulary gets an extra column scored from its LM-head row, so
 distributions are over the draft vocabulary plus those columns (a sampled chain's q too).
 """
