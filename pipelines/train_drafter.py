@@ -359,7 +359,8 @@ def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger
 def _scores_known_first(priors, known: dict, score) -> list[float]:
     """Scores of `priors`, computing only the ones not in `known` (in one call)."""
     new = [p for p in priors if p not in known]
-    known.update(zip(new, score(new)))
+    if new:  # an empty call would still pay for the drafter's forward over every block
+        known.update(zip(new, score(new)))
     return [known[p] for p in priors]
 
 

@@ -547,3 +547,20 @@ def test_threshold_sweep_per_round_walks_the_policy():
     tps, rate, ver = threshold_sweep(accepted, conf, np.array([0.0, 0.7]), np.zeros(4, np.int64), np.arange(4))
     # t=0.7 verifies only position 1 at anchor 0 (gains 2), then both at anchor 2 (gains 2)
     assert tps.tolist() == [2.0, 2.0] and ver.tolist() == [2.0, 1.5] and rate.tolist() == pytest.approx([2 / 4, 2 / 3])
+
+
+def test_copy_prior_fit_scores_each_prior_once_and_never_an_empty_batch():
+    """Each score call walks every calib block, so known priors are not scored again and a
+    call with nothing new is not made at all."""
+    from pipelines.train_drafter import _scores_known_first
+
+    calls: list[list[CopyPrior]] = []
+
+    def score(priors):
+        calls.append(priors)
+        return [float(p.bonus(2, "c")) for p in priors]
+
+    a, b = CopyPrior(((2, 0.0),)), CopyPrior(((2, 0.0),), kind_bonuses=((2, "c", 4.0),))
+    known = {a: 1.0}
+    assert _scores_known_first([a], known, score) == [1.0] and calls == []
+    assert _scores_known_first([a, b], known, score) == [1.0, 4.0] and calls == [[b]]
