@@ -346,22 +346,12 @@ def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger
     log(f"copy prior on {len(rows)} calib answers ({len(tried)} tried): {best.to_dict()}, "
         f"tau {tried[0][1]:.3f} without -> {max(t for _, t in tried):.3f}")
     if spec.get("kinds"):
-        known, first = dict(tried), set(dict(tried))
-        best, more = fit_bonuses(lambda ps: _scores_known_first(ps, known, score), [],
-                                 spec.get("kind_grid", spec.get("grid", [2, 4, 8, 16, 32])), sweeps=1,
-                                 kinds=tuple(spec["kinds"]), start=best)
-        tried += [(p, t) for p, t in more if p not in first]
-        log(f"copy prior per match kind ({len(more)} tried): {best.to_dict()}, tau {max(t for _, t in more):.3f}")
+        before = len(tried)
+        best, tried = fit_bonuses(score, [], spec.get("kind_grid", spec.get("grid", [2, 4, 8, 16, 32])), sweeps=1,
+                                  kinds=tuple(spec["kinds"]), start=best, scored=dict(tried))
+        log(f"copy prior per match kind ({len(tried) - before} tried): {best.to_dict()}, tau {max(t for _, t in tried):.3f}")
     info = {"objective": "greedy tau per round", "tried": [[p.to_dict(), round(t, 4)] for p, t in tried]}
     return (best if best.active else None), info
-
-
-def _scores_known_first(priors, known: dict, score) -> list[float]:
-    """Scores of `priors`, computing only the ones not in `known` (in one call)."""
-    new = [p for p in priors if p not in known]
-    if new:  # an empty call would still pay for the drafter's forward over every block
-        known.update(zip(new, score(new)))
-    return [known[p] for p in priors]
 
 
 def draft_vocabulary(cfg: dict, target, work: Path, run_folder: Path | None = None):

@@ -103,6 +103,7 @@ def test_prior_validates_and_round_trips():
     assert kinded.to_dict()["kind_bonuses"] == {"2c": 4.0}
     assert CopyPrior.from_dict(kinded.to_dict()) == kinded
     assert kinded.with_bonus(2, 1.0).bonus(2, "c") == 1.0  # a per-order bonus replaces its kinds'
+    assert prior.with_bonus(3, 8.0, "u") == prior  # an override equal to its order's bonus is no override
     with pytest.raises(ValueError, match="kind"):
         CopyPrior(((2, 1.0),), kind_bonuses=((2, "x", 1.0),))
     corrected = adjust_logits(prior, np.array([3.0, 3.0, 3.0]), np.array([4, 0, 3]))
@@ -138,6 +139,22 @@ def test_fit_per_kind_moves_one_kind_at_a_time():
     best, tried = fit_bonuses(score, [2, 3], [4, 8], kinds=("u", "c", "a"), start=start)
     assert best.bonus(2, "c") == 8.0 and best.bonus(3, "u") == 4.0 and best.bonus(2, "u") == 0.0
     assert tried[0][0] == start
+
+
+def test_fit_does_not_rate_a_prior_again():
+    """Each call walks every calib block: priors already rated are passed in, not re-rated,
+    and no call is made with nothing new."""
+    calls = []
+
+    def score(priors):
+        calls.append(priors)
+        return [p.bonus(2, "c") - p.bonus(2, "u") for p in priors]
+
+    start = CopyPrior(((2, 4.0),))
+    best, tried = fit_bonuses(score, [], [4, 8], sweeps=1, kinds=("u", "c"), start=start, scored={start: 0.0})
+    assert best.bonus(2, "c") == 8.0 and best.bonus(2, "u") == 0.0
+    assert all(calls) and start not in [p for call in calls for p in call]
+    assert tried[0] == (start, 0.0) and len(tried) == len({p for p, _ in tried})
 
 
 def test_fit_without_gain_stays_off():

@@ -66,8 +66,10 @@ class CopyPrior:
             raise ValueError(f"kind bonuses need one of the prior's orders {orders} and a kind in {KINDS}")
         object.__setattr__(self, "bonuses", tuple(sorted((int(o), float(b)) for o, b in self.bonuses)))
         object.__setattr__(self, "confidence", tuple(sorted((int(c), float(a), float(b)) for c, a, b in self.confidence)))
+        per_order = dict(self.bonuses)
         kinds = {(int(o), str(k)): float(b) for o, k, b in self.kind_bonuses}
-        object.__setattr__(self, "kind_bonuses", tuple((o, k, b) for (o, k), b in sorted(kinds.items())))
+        # an override equal to its order's bonus changes nothing: dropped, so equal priors compare equal
+        object.__setattr__(self, "kind_bonuses", tuple((o, k, b) for (o, k), b in sorted(kinds.items()) if b != per_order[o]))
 
     @cached_property
     def _table(self) -> dict[tuple[int, str], float]:  # (order, kind) -> bonus: looked up per drafted step
@@ -245,16 +247,20 @@ def fit_bonuses(
     sweeps: int = 2,
     kinds: Sequence[str] = (),
     start: CopyPrior | None = None,
+    scored: dict[CopyPrior, float] | None = None,
 ) -> tuple[CopyPrior, list[tuple[CopyPrior, float]]]:
     """Coordinate ascent over one bonus per order, or per (order, kind) for the given `kinds`:
     `score` rates candidate priors (higher is better, e.g. held-out tau), all of a coordinate's
-    untried grid values in one call so the caller can share work between them. Starts from
-    `start` (default: no copying); ties keep the smaller bonus. Returns the best prior and
-    every (prior, score) tried, each once."""
+    untried grid values in one call so the caller can share work between them; priors in
+    `scored` (already rated) are not rated again. Starts from `start` (default: no copying);
+    ties keep the smaller bonus. Returns the best prior and every (prior, score) known, each
+    once, those of `scored` first."""
     grid = sorted({float(v) for v in grid} | {0.0})
     best = start if start is not None else CopyPrior(tuple((int(o), 0.0) for o in orders))
     coords = [(o, k) for o in sorted(best.orders_all, reverse=True) for k in (kinds or [None])]  # long matches first: the precise ones
-    scores = {best: score([best])[0]}
+    scores = dict(scored or {})
+    if best not in scores:
+        scores[best] = score([best])[0]
     for _ in range(sweeps):
         changed = False
         for o, k in coords:
