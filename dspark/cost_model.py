@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from dspark.cpu_matmul import packed_mkl_max_rows
+from dspark.cpu_matmul import packed_choice
 from dspark.hardware import cpu_model
 from dspark.lean_forward import LEAN_FORWARD_VERSION, lean_support
 from dspark.models import TargetModel, cache_root
@@ -222,7 +222,7 @@ def _profile_key(target: TargetModel, context: int, rows: tuple[int, ...], width
     blob = (
         f"{target.name}|{target.vocab_size}|{cfg.num_hidden_layers}|{cfg.hidden_size}|{_weights_sample(target)}|"
         f"{_device_name(target.device)}|{target.device}|{target.dtype}|{torch.__version__}|{context}|{torch.get_num_threads()}|"
-        f"packed={packed_mkl_max_rows(target.model)}|{getattr(cfg, '_attn_implementation', None)}|"
+        f"packed={packed_choice(target.model)}|{getattr(cfg, '_attn_implementation', None)}|"
         f"lean={lean_support(target.model) is None}:{LEAN_FORWARD_VERSION}|"
         f"rows={rows}|widths={widths}"
     )

@@ -211,7 +211,7 @@ def load_model(
 ) -> TargetModel:
     """Load a causal LM and its tokenizer for inference (eval mode, no grad).
 
-    pack_weights: give linear layers a oneDNN-packed copy for multi-token forwards
+    pack_weights: give linear layers a packed copy (oneDNN or MKL) for multi-token forwards
     (see `dspark.cpu_matmul`); None packs wherever it is available (CPU, float32).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -220,7 +220,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if pack_weights and not packing_available(dev, dt):
-        raise ValueError(f"pack_weights=True needs float32 on a CPU with oneDNN, not {dt} on {dev}")
+        raise ValueError(f"pack_weights=True needs float32 on a CPU with oneDNN or MKL, not {dt} on {dev}")
     tokenizer = AutoTokenizer.from_pretrained(
         str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from dspark.cpu_matmul import pack_linear_layers, packing_available
+from dspark.cpu_matmul import KernelChoice, available_kernels, pack_linear_layers, packing_available
 from dspark.lean_forward import LeanDecoder, fused_projections, lean_support
 from dspark.runner import ModelRunner
 from tests.conftest import tiny_model
@@ -59,14 +59,16 @@ def test_lean_matches_transformers_forward(arch):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN linear")
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="this torch build has neither oneDNN nor MKL linear")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_projections_change_no_bit(arch):
     """With packed CPU weights, q/k/v and gate/up run as one matmul each: prefills, ragged
     verify blocks, trees and one-token steps give the separate layers' logits and hidden states
     to the bit (qwen2: with q/k/v biases)."""
     model = tiny_model(arch, 256, seed=7, layers=2)
-    pack_linear_layers(model, mkl_max_rows=1)  # one-token steps on MKL, blocks on oneDNN
+    kernels = available_kernels(torch.device("cpu"), torch.float32)
+    # one-token steps on plain MKL, blocks on both packed kernels where the build has both
+    pack_linear_layers(model, KernelChoice(1, 4) if len(kernels) == 2 else KernelChoice.only(kernels[0], 1))
     fused = fused_projections(model)
     assert fused is not None and len(fused) == 2
     assert fused_projections(model) is fused  # built once per model, shared by its runners

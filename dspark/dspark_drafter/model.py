@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.cpu_matmul import PackedLinear
+from dspark.cpu_matmul import KernelChoice, PackedLinear
 
 
 @dataclass
@@ -245,6 +245,7 @@ class DSparkModel(nn.Module):
         # The target's oneDNN-packed LM head (dspark.cpu_matmul) when it has one: a bound
         # method, not a submodule, so it stays out of state_dict() and .to()
         self.packed_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_kernels: KernelChoice | None = None  # how that head is packed (the draft vocabulary's rows follow it)
         m = len(cfg.target_layers)
         self.ctx_proj = nn.Linear(m * cfg.target_hidden_size, d, bias=False)  # W_c
         self.ctx_norm = RMSNorm(d, cfg.rms_eps)
@@ -408,6 +409,7 @@ def build_model(cfg: DSparkConfig, target_model) -> DSparkModel:
     model = DSparkModel(cfg, emb, head.weight)
     if isinstance(head, PackedLinear):
         model.packed_head = head.forward
+        model.head_kernels = head.choice
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.cpu_matmul import PackedLinear, build_kernels, packing_available
+from dspark.cpu_matmul import KernelChoice, PackedLinear, available_kernels, build_kernels
 from dspark.dspark_drafter.model import DSparkModel, lm_head_logits
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -77,11 +77,13 @@ class DraftVocab:
         if self.token_ids is None:
             return model.head_logits
         rows = model.lm_head_weight[self.token_ids].contiguous()  # [Vd, d]
-        if not packing_available(rows.device, rows.dtype):
+        kernels = available_kernels(rows.device, rows.dtype)
+        if not kernels:
             return lambda h: lm_head_logits(h, rows)
         linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         linear.weight = nn.Parameter(rows, requires_grad=False)
-        packed = PackedLinear(linear)
+        choice = model.head_kernels or KernelChoice.only(kernels[0])  # the target's, where it is packed
+        packed = PackedLinear(linear, choice)
         build_kernels([packed])
         return packed.forward
 
