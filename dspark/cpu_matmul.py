@@ -31,8 +31,8 @@ fastest of 7; 24 to 64 rows in a second run):
 
 So `PackedLinear` runs a call of r rows on one of three kernels (`KernelChoice`): plain MKL
 on the weight itself up to `mkl_max_rows` (0 to 3), MKL's packed GEMM up to
-`mkl_packed_max_rows`, oneDNN above; each packed kernel some row count uses keeps its own copy
-of the weight. The two crossovers are measured once per machine on the model's own layers
+`mkl_packed_max_rows`, oneDNN above; each packed kernel keeps its own copy of the weight, built
+by the kernel's first call (a batch-1 job on the Xeon never builds oneDNN's). The two crossovers are measured once per machine on the model's own layers
 (`measure_kernel_choice`) and cached.
 
 Only the kernel changes, not the arithmetic asked for: results agree with `F.linear` to
@@ -158,18 +158,37 @@ class PackedLinear(nn.Module):
     """`nn.Linear` whose multi-row calls run on packed copies of the weight (`KernelChoice`).
 
     The original parameters stay attached (tied embeddings, `state_dict` and
-    `get_output_embeddings()` see the same tensors). The packed copies are frozen: pack
-    inference-only modules, never ones being trained.
+    `get_output_embeddings()` see the same tensors). The packed copies are frozen once built:
+    pack inference-only modules, never ones being trained.
     """
 
     def __init__(self, linear: nn.Linear, choice: KernelChoice = KernelChoice(), rows_hint: int = PACK_ROWS_HINT) -> None:
         super().__init__()
         self.choice = choice
+        self.rows_hint = rows_hint
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        # a plain attribute, not a buffer: module.to()/state_dict must not touch the packed tensors
-        self._packed = {k: pack_weight(linear.weight.detach(), k, rows_hint) for k in choice.kernels}
+        # kernel -> packed copy, built by the kernel's first call (`packed_weight`); a plain
+        # attribute, not a buffer: module.to()/state_dict must not touch the packed tensors
+        self._packed: dict[str, torch.Tensor] = {}
+
+    def packed_weight(self, kernel: str) -> torch.Tensor:
+        """`kernel`'s copy of the weight, packed on first use: a job whose calls never reach a
+        kernel's rows (batch 1 never reaches oneDNN's on the Xeon) never holds its copy."""
+        packed = self._packed.get(kernel)
+        if packed is None:
+            packed = self._packed[kernel] = pack_weight(self.weight.detach(), kernel, self.rows_hint)
+        return packed
+
+    @property
+    def packed_kernels(self) -> tuple[str, ...]:
+        """The kernels whose packed copy this layer holds now."""
+        return tuple(k for k in KERNELS if k in self._packed)
+
+    def release(self) -> None:
+        """Drop the packed copies; the next call that needs one packs it again."""
+        self._packed.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -186,9 +205,9 @@ class PackedLinear(nn.Module):
         if pad:
             x2 = torch.cat([x2, x2.new_zeros(pad, self.in_features)])
         if kernel == MKL_PACKED:  # its last argument, the rows, says the packed path applies
-            out = torch.ops.mkl._mkl_linear(x2.contiguous(), self._packed[kernel], self.weight.detach(), bias, x2.shape[0])
+            out = torch.ops.mkl._mkl_linear(x2.contiguous(), self.packed_weight(kernel), self.weight.detach(), bias, x2.shape[0])
         else:
-            out = torch.ops.mkldnn._linear_pointwise(x2, self._packed[kernel], bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight(kernel), bias, "none", [], "")
         return out[:rows]
 
     def extra_repr(self) -> str:
@@ -227,8 +246,8 @@ def pack_linear_layers(
     for (parent, name, _), layer in zip(swaps, packed):
         setattr(parent, name, layer)
     build_kernels(packed)
-    extra = len(choice.kernels) * sum(child.weight.numel() for _, _, child in swaps) * p.element_size()
-    LOG.info("Packed %d linear layers (%s; %.0f MB extra memory)", len(swaps), choice, extra / 2**20)
+    extra = sum(child.weight.numel() for _, _, child in swaps) * p.element_size()
+    LOG.info("Packed %d linear layers (%s; each kernel's copies, %.0f MB, built by its first call)", len(swaps), choice, extra / 2**20)
     return len(swaps)
 
 
@@ -239,8 +258,9 @@ def row_buckets(mkl_max_rows: int = 0) -> list[int]:
 
 @torch.no_grad()
 def build_kernels(layers: list[PackedLinear]) -> None:
-    """Run each distinct layer shape once per row bucket, so oneDNN's kernel cache is full
-    before the first request (its kernels depend on shapes, not on the weights)."""
+    """Run each distinct layer shape once per oneDNN row bucket, so oneDNN's kernel cache is
+    full before the first request (its kernels depend on shapes, not on the weights), then drop
+    the packed copies that took: layers still pack on first use."""
     shapes = {}
     for layer in layers:
         if ONEDNN in layer.choice.kernels:
@@ -249,6 +269,7 @@ def build_kernels(layers: list[PackedLinear]) -> None:
         for rows in row_buckets(layer.choice.mkl_max_rows):
             if layer.choice.kernel_for(rows) == ONEDNN:
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
+        layer.release()
 
 
 @torch.no_grad()
@@ -285,6 +306,8 @@ def fuse_linears(parts: list[nn.Module], check: bool = True) -> PackedLinear | N
             if not torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1)):
                 LOG.info("Not fusing %d linear layers: %d rows round differently fused", len(parts), rows)
                 return None
+        for layer in (fused, *parts):  # the check packed every kernel: keep only what calls need
+            layer.release()
     return fused
 
 

@@ -79,6 +79,7 @@ def test_mkl_max_rows_decides_which_calls_keep_plain_mkl(kernel):
 
 
 @pytest.mark.skipif(len(KERNELS_HERE) < 2, reason="this torch build lacks oneDNN or MKL linear")
+@torch.no_grad()
 def test_the_choice_splits_row_counts_between_the_kernels():
     choice = KernelChoice(mkl_max_rows=2, mkl_packed_max_rows=16)
     assert [choice.kernel_for(r) for r in (1, 2, 3, 16, 17, 128, 129)] == [None, None, MKL_PACKED, MKL_PACKED, ONEDNN, ONEDNN, None]
@@ -87,11 +88,16 @@ def test_the_choice_splits_row_counts_between_the_kernels():
     assert KernelChoice.only(ONEDNN).kernels == (ONEDNN,)
     linear = nn.Linear(48, 80)
     layer = PackedLinear(linear, choice)
-    assert set(layer._packed) == {ONEDNN, MKL_PACKED}  # a copy per kernel in use
-    for rows, ran in ((2, set()), (16, {MKL_PACKED}), (20, {ONEDNN})):
+    for rows, ran, held in ((2, set(), ()), (16, {MKL_PACKED}, (MKL_PACKED,)), (20, {ONEDNN}, (ONEDNN, MKL_PACKED))):
         x = torch.randn(rows, 48)
         assert ops_run(layer, x) == ran
+        assert layer.packed_kernels == held  # a kernel's copy of the weight is built by its first call
         torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    layer.release()
+    assert layer.packed_kernels == ()
+    x = torch.randn(20, 48)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)  # packed again
+    assert layer.packed_kernels == (ONEDNN,)
 
 
 def test_an_unknown_or_unavailable_kernel_is_refused():
@@ -194,6 +200,7 @@ def test_fused_linears_give_the_parts_outputs_side_by_side_to_the_bit(kernel):
     parts = [PackedLinear(nn.Linear(48, n), choice) for n in (48, 16, 16)]
     fused = fuse_linears(parts)
     assert fused is not None and fused.out_features == 80 and fused.choice == choice
+    assert all(layer.packed_kernels == () for layer in (fused, *parts))  # the check's copies are dropped
     for rows in (1, 2, 3, 7, 9, 40, 130):  # MKL, packed, padded buckets, past PACKED_MAX_ROWS
         x = torch.randn(rows, 48)
         assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
@@ -204,7 +211,8 @@ def test_fused_linears_give_the_parts_outputs_side_by_side_to_the_bit(kernel):
         assert fuse_linears([PackedLinear(nn.Linear(48, 8), KernelChoice.only(k, 2)) for k in KERNELS_HERE]) is None
     stale = [PackedLinear(nn.Linear(48, 8), KernelChoice.only(kernel, 0)) for _ in range(2)]
     with torch.no_grad():
-        stale[0].weight.add_(1.0)  # its packed copy now disagrees with it: fused results would differ
+        stale[0](torch.randn(4, 48))  # packs its copy
+        stale[0].weight.add_(1.0)  # which now disagrees with it: fused results would differ
     assert fuse_linears(stale) is None
 
 
@@ -214,6 +222,8 @@ def test_packing_keeps_parameters_and_tied_head():
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     assert pack_linear_layers(model) == n_linear > 0
     assert is_packed(model)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.packed_kernels == () for m in packed)  # no copy until a call needs one
     assert set(model.state_dict()) == keys_before  # the packed copies are not state
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert pack_linear_layers(model) == 0  # already packed: nothing left to swap
