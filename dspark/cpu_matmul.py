@@ -13,7 +13,8 @@ SmolLM2-135M forward (30 layers and the LM head, weights streamed from memory) t
 
 MKL's small-row kernels stay at the cost of reading the weights up to 3 rows, then fall off a
 cliff; oneDNN with the weights reordered once into its blocked layout is flat from 1 to 8 rows
-but pays ~20% more at the bottom. On another 2-core AMD EPYC (session 22) oneDNN won at every row count, 1 row included:
+but pays ~20% more at the bottom. On another 2-core AMD EPYC (session 22) oneDNN won at every
+row count, 1 row included:
 
     rows                      1     2     3     4     8    16
     MKL, 2 threads         30.7  46.4  57.3  47.8  44.0  52.7
@@ -31,8 +32,10 @@ fastest of 7; 24 to 64 rows in a second run):
 
 So `PackedLinear` runs a call of r rows on one of three kernels (`KernelChoice`): plain MKL
 on the weight itself up to `mkl_max_rows` (0 to 3), MKL's packed GEMM up to
-`mkl_packed_max_rows`, oneDNN above; each packed kernel keeps its own copy of the weight, built
-by the kernel's first call (a batch-1 job on the Xeon never builds oneDNN's). The two crossovers are measured once per machine on the model's own layers
+`mkl_packed_max_rows`, oneDNN above. Each packed kernel keeps its own copy of the weight, built
+by the first call that needs it, so a job holds only the copies its calls use (the separate
+q/k/v/gate/up layers, which the lean forward replaces by fused ones, never build theirs there).
+The two crossovers are measured once per machine on the model's own layers
 (`measure_kernel_choice`) and cached.
 
 Only the kernel changes, not the arithmetic asked for: results agree with `F.linear` to
@@ -174,8 +177,8 @@ class PackedLinear(nn.Module):
         self._packed: dict[str, torch.Tensor] = {}
 
     def packed_weight(self, kernel: str) -> torch.Tensor:
-        """`kernel`'s copy of the weight, packed on first use: a job whose calls never reach a
-        kernel's rows (batch 1 never reaches oneDNN's on the Xeon) never holds its copy."""
+        """`kernel`'s copy of the weight, packed on first use: a layer no call of a kernel's
+        rows reaches never holds that kernel's copy."""
         packed = self._packed.get(kernel)
         if packed is None:
             packed = self._packed[kernel] = pack_weight(self.weight.detach(), kernel, self.rows_hint)

@@ -177,7 +177,7 @@ def test_shared_weights_are_frozen_and_not_stored(target):
 
 
 def test_drafter_uses_a_packed_target_head_only_for_inference():
-    """On a oneDNN-packed target the drafter's LM head runs packed at inference, with the same
+    """On a packed target the drafter's LM head runs packed at inference, with the same
     logits, and training still goes through the frozen plain weight."""
     from dspark.cpu_matmul import pack_linear_layers, packing_available
 

@@ -242,7 +242,7 @@ class DSparkModel(nn.Module):
         d = cfg.hidden_size
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
-        # The target's oneDNN-packed LM head (dspark.cpu_matmul) when it has one: a bound
+        # The target's packed LM head (dspark.cpu_matmul) when it has one: a bound
         # method, not a submodule, so it stays out of state_dict() and .to()
         self.packed_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_kernels: KernelChoice | None = None  # how that head is packed (the draft vocabulary's rows follow it)
