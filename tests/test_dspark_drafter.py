@@ -199,6 +199,43 @@ def test_drafter_uses_a_packed_target_head_only_for_inference():
     assert model_packed.mask_embed.grad is not None
 
 
+def test_drafter_on_a_packed_target_packs_and_fuses_its_own_linears():
+    """The engine plug-in runs the drafter's linears packed like the target's, q/k/v and
+    gate/up fused: the block forward is the plain one up to rounding, bit-equal with and
+    without the fusion, the checkpoint's keys stay as they were, and grad mode (training)
+    never goes through the frozen fused copies."""
+    from dspark.cpu_matmul import PackedLinear, pack_linear_layers, packing_available
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN linear")
+    packed_target = tiny_target(seed=0)
+    pack_linear_layers(packed_target.model)
+    plain, model = make_model(tiny_target(seed=0)), make_model(packed_target)
+    keys = set(model.state_dict())
+    drafter = DSparkDrafter(model)
+    assert drafter.packed and set(model.state_dict()) == keys
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert type(model.ctx_proj) is PackedLinear and all(type(getattr(layer, p)) is PackedLinear for layer in model.layers for p in projections)
+    assert all(layer.fused_qkv is not None and layer.fused_gate_up is not None for layer in model.layers)
+    ctx, valid = rand_ctx(plain)
+    anchor = torch.tensor([4, 5, 6])
+    with torch.no_grad():
+        fused = model.forward_block(ctx, valid, anchor).hidden
+        reference = plain.forward_block(ctx, valid, anchor).hidden
+        saved = [(layer.fused_qkv, layer.fused_gate_up) for layer in model.layers]
+        for layer in model.layers:
+            layer.fused_qkv = layer.fused_gate_up = None
+        unfused = model.forward_block(ctx, valid, anchor).hidden
+        for layer, (qkv, gate_up) in zip(model.layers, saved):
+            layer.fused_qkv, layer.fused_gate_up = qkv, gate_up
+    assert torch.equal(fused, unfused)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+    model.requires_grad_(True)
+    logits, _ = model.teacher_forced(ctx.detach(), valid, torch.randint(3, 96, (3, model.cfg.gamma + 1)))
+    logits.logsumexp(-1).mean().backward()
+    assert model.layers[0].q_proj.weight.grad is not None and model.layers[0].up_proj.weight.grad is not None
+
+
 def test_markov_bias_and_confidence_use_previous_token_only(target):
     model = make_model(target)
     with torch.no_grad():

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from dspark.cpu_matmul import PackedLinear, build_kernels, pack_linear_layers
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, adjust_logits, candidates_of, match_class
+from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.dspark_drafter.vocab import DraftVocab
 from dspark.sampling import probs_from_logits
@@ -71,6 +71,7 @@ class DSparkDrafter(DrafterBase):
         copy: CopyPrior | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        self.packed = self._pack_linears()
         self.vocab = DraftVocab(self.model, draft_vocab)  # None: draft from the whole vocabulary
         self.cfg = model.cfg
         self.target_layers = tuple(self.cfg.target_layers)
@@ -78,15 +79,33 @@ class DSparkDrafter(DrafterBase):
         self.temperatures = torch.tensor(list(t) + [1.0] * (self.cfg.gamma - len(t)), dtype=torch.float32)
         b = offsets or [0.0] * self.cfg.gamma
         self.offsets = torch.tensor(list(b) + [0.0] * (self.cfg.gamma - len(b)), dtype=torch.float32)
+        self._step_scales = [(float(t), float(o)) for t, o in zip(self.temperatures, self.offsets)]  # per depth, as Python floats
         self.options = options or DrafterOptions()
         self.eos = set(eos_token_ids or [])
         self.device = model.embed_weight.device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.copy = copy if copy is not None and copy.active else None
+        self._corrections = {c: (a, b) for c, a, b in self.copy.confidence} if self.copy is not None else {}  # match class -> (scale, shift)
         self._column = None  # token id -> its column in the draft vocabulary (-1 outside)
         if self.copy is not None and self.vocab.token_ids is not None:
             self._column = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long)
             self._column[self.vocab.token_ids.cpu()] = torch.arange(self.vocab.size)
+
+    def _pack_linears(self) -> bool:
+        """Run the drafter's own linears on packed weights under the target's kernel choice
+        (`dspark.cpu_matmul`), q/k/v and gate/up as one matmul each: a round's calls have a few
+        rows (batch x gamma), where packed kernels beat plain BLAS and a call's fixed cost
+        counts. A no-op where the target's head is not packed (GPU, half precision). The model
+        is inference-only from here on (the packed copies are frozen)."""
+        choice = self.model.head_kernels
+        if choice is None or type(self.model.ctx_proj) is not torch.nn.Linear:
+            return False
+        pack_linear_layers(self.model.layers, choice)
+        self.model.ctx_proj = PackedLinear(self.model.ctx_proj, choice)
+        build_kernels([self.model.ctx_proj])
+        for layer in self.model.layers:
+            layer.fuse_projections()
+        return True
 
     # ------------------------------------------------------------- request lifecycle
 
@@ -182,7 +201,9 @@ class DSparkDrafter(DrafterBase):
         base_logits = self.vocab.logits(h)  # [B, depth, Vd]
         trees = [DraftTree() for _ in requests]
         greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
-        if greedy:
+        if len(greedy) == len(requests):  # the usual case: no copies of the batch's logits
+            self._greedy_trees(requests, trees, base_logits, conf_h, h, depth)
+        elif greedy:
             self._greedy_trees([requests[b] for b in greedy], [trees[b] for b in greedy], base_logits[greedy], conf_h[greedy], h[greedy], depth)
         for b, r in enumerate(requests):
             if not r.sampling.greedy:
@@ -205,17 +226,19 @@ class DSparkDrafter(DrafterBase):
         whole batch: W2 is read once (the step is memory-bound). `matches` (per parent: the
         copy prior's n-gram matches) and `hidden` [B, G, d] apply the copy prior."""
         feat = self.model.markov_features(prev)
-        logits = base_logits[rows, k] + self.vocab.markov_bias(feat)
-        z = self.model.conf_logit(conf_h[rows, k], feat)
+        logits = base_logits[:, k].index_select(0, rows) + self.vocab.markov_bias(feat)
+        z = self.model.conf_logit(conf_h[:, k].index_select(0, rows), feat)
         extra = None
         if matches is not None:
-            if self.copy.confidence:  # the confidence correction of each parent's match class
-                classes = np.array([match_class(m) for m in matches])
-                z = torch.from_numpy(adjust_logits(self.copy, z.cpu().numpy(), classes)).to(dtype=z.dtype, device=z.device)
+            if self._corrections:  # the confidence correction of each parent's match class (as `adjust_logits`, in float64)
+                scale, shift = zip(*(self._corrections.get(match_class(m), (1.0, 0.0)) for m in matches))
+                f64 = dict(dtype=torch.float64, device=z.device)
+                z = (z.double() * torch.tensor(scale, **f64) + torch.tensor(shift, **f64)).to(z.dtype)
             copies = [candidates_of(m, self.copy) for m in matches]
             if any(copies):
                 logits, extra = self._add_copies(logits, copies, hidden[rows, k], feat)
-        conf = torch.sigmoid(z / float(self.temperatures[k]) + float(self.offsets[k]))
+        temperature, offset = self._step_scales[k]
+        conf = torch.sigmoid(z / temperature + offset)
         return logits, conf, extra
 
     def _add_copies(

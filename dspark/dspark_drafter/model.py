@@ -20,6 +20,7 @@ markov_rank = 0 gives the parallel-only ablation (no bias; confidence from h_k a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.cpu_matmul import KernelChoice, PackedLinear
+from dspark.cpu_matmul import KernelChoice, PackedLinear, fuse_linears
 
 
 @dataclass
@@ -108,9 +109,15 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) ->
     return y * weight if weight is not None else y
 
 
+@functools.lru_cache(maxsize=8)
+def rope_inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[head_dim / 2] (cached: every drafting round needs them twice)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [S] -> cos, sin [S, head_dim] (Llama's half-split layout)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv = rope_inverse_frequencies(head_dim, float(theta), positions.device)
     freqs = positions.float()[:, None] * inv[None, :]  # [S, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -184,6 +191,32 @@ class DraftLayer(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        # Inference only (`fuse_projections`): q/k/v and gate/up each as one packed matmul.
+        # Bound methods, not submodules: they stay out of state_dict() and training.
+        self.fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fused_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def fuse_projections(self) -> bool:
+        """Run q/k/v and gate/up as one matmul each at inference (their linears must be
+        packed alike; `fuse_linears` checks the fused outputs equal the parts' to the bit).
+        Returns whether both fused."""
+        qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        self.fused_qkv = None if qkv is None else qkv.forward
+        self.fused_gate_up = None if gate_up is None else gate_up.forward
+        return qkv is not None and gate_up is not None
+
+    def _qkv(self, hn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.fused_qkv is None or torch.is_grad_enabled():  # the fused copy is frozen: never train through it
+            return self.q_proj(hn), self.k_proj(hn), self.v_proj(hn)
+        return self.fused_qkv(hn).split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], dim=-1)
+
+    def _mlp(self, hn: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is None or torch.is_grad_enabled():
+            gate, up = self.gate_proj(hn), self.up_proj(hn)
+        else:
+            gate, up = self.fused_gate_up(hn).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -208,9 +241,10 @@ class DraftLayer(nn.Module):
         b, g = x.shape[:2]
         rep = self.h // self.kv
         hn = self.input_norm(x)
-        q = apply_rope(self._heads(self.q_proj(hn), self.h), *rope_blk)  # [B, H, G, D]
-        k = apply_rope(self._heads(self.k_proj(hn), self.kv), *rope_blk)  # [B, KV, G, D]
-        v = self._heads(self.v_proj(hn), self.kv)
+        q, k, v = self._qkv(hn)
+        q = apply_rope(self._heads(q, self.h), *rope_blk)  # [B, H, G, D]
+        k = apply_rope(self._heads(k, self.kv), *rope_blk)  # [B, KV, G, D]
+        v = self._heads(v, self.kv)
         # context enters keys/values only, each context row once, then shared by its blocks
         k_ctx, v_ctx = (t.to(x.dtype).unflatten(-1, (self.kv, self.hd)).transpose(-3, -2) for t in ctx_kv)  # [S, KV, N, D]
         if ctx_index is not None:
@@ -222,8 +256,7 @@ class DraftLayer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :1])  # [B, KV, rep*G, D]
         a = a.reshape(b, self.h, g, self.hd)
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, g, self.h * self.hd))
-        hn = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+        return x + self._mlp(self.post_norm(x))
 
 
 class DSparkModel(nn.Module):
