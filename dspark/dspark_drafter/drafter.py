@@ -98,8 +98,10 @@ class DSparkDrafter(DrafterBase):
         counts. A no-op where the target's head is not packed (GPU, half precision). The model
         is inference-only from here on (the packed copies are frozen)."""
         choice = self.model.head_kernels
-        if choice is None or type(self.model.ctx_proj) is not torch.nn.Linear:
+        if choice is None:
             return False
+        if isinstance(self.model.ctx_proj, PackedLinear):  # another plug-in over this model packed it
+            return True
         pack_linear_layers(self.model.layers, choice)
         self.model.ctx_proj = PackedLinear(self.model.ctx_proj, choice)
         build_kernels([self.model.ctx_proj])
