@@ -55,7 +55,9 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # 3: blocks fold query groups on CPU in every dtype.
 # 4: ragged rows packed on CPU (`RaggedLayout`); tables gain the one-wide-row latencies.
 # 5: q/k/v and gate/up run as one packed matmul each on CPU (`FusedProjections`).
-LEAN_FORWARD_VERSION = 5
+# 6: fewer small ops a layer (rotary embedding of q and k in one go, the norm's weight inside its
+#    call, the folded mask built once per forward).
+LEAN_FORWARD_VERSION = 6
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
 # verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
 # SDPA: there the two cost about the same, and copying the mask for every query head made an
@@ -86,7 +88,12 @@ def lean_support(model: nn.Module) -> str | None:
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Llama/Qwen2 RMSNorm (normalised in float32, then cast, then scaled) with
-    torch's fused kernel: bit-identical to it in float32 and bfloat16, one op instead of six."""
+    torch's fused kernel: bit-identical to it in float32 and bfloat16, one op instead of six.
+    In float32 the weight goes into the same call (no cast between normalising and scaling, and
+    a product is the same either way round): one dispatch fewer, ~30 us a call on a 2-core Xeon
+    right after a layer's matmul has streamed its weights through the caches."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
 
 
@@ -102,14 +109,21 @@ def transformers_kernels(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, n_rep: int) -> torch.Tensor:
+def fold_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, 1, W, S] -> [B, 1, n_rep * W, S]: the block's mask repeated for each query head
+    that shares a KV head (`fold_query_groups`); built once per forward, not per layer."""
+    b, _, w, s = mask.shape
+    return mask.expand(b, n_rep, w, s).reshape(b, 1, n_rep * w, s)
+
+
+def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, folded_mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention as plain SDPA over each KV head's stacked queries.
 
     The n_rep query heads that share a KV head are stacked along the query axis, [B, Hkv,
-    n_rep * W, dh], and the mask is repeated to match. Each KV head's keys are then read once
-    per block instead of once per query head. Same arithmetic as SDPA's `enable_gqa`, to the
-    last bit or nearly: bit-identical in bfloat16 on a 2-core Xeon, and on a 2-core AMD EPYC
-    for blocks of 4+ tokens; there 2- and 3-token blocks differ by ~2e-7 in float32 (the
+    n_rep * W, dh], under the mask repeated to match (`fold_mask`). Each KV head's keys are then
+    read once per block instead of once per query head. Same arithmetic as SDPA's `enable_gqa`,
+    to the last bit or nearly: bit-identical in bfloat16 on a 2-core Xeon, and on a 2-core AMD
+    EPYC for blocks of 4+ tokens; there 2- and 3-token blocks differ by ~2e-7 in float32 (the
     kernel's small-query path rounds differently), as one-token steps already differ from
     transformers' expanded-KV attention. Time per layer for a block of 2 tokens: 16 rows over
     512 cached tokens in bfloat16 on the Xeon 0.91 -> 0.44 ms; 8 rows over 768 in float32 on
@@ -117,16 +131,22 @@ def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     keep `enable_gqa`, its own kernel (faster there in float32, and the rounding transformers'
     one-token steps have, which bfloat16 greedy outputs depend on)."""
     b, h, w, dh = q.shape
-    hk = h // n_rep
-    folded = mask.expand(b, n_rep, w, mask.shape[-1]).reshape(b, 1, n_rep * w, mask.shape[-1])
-    out = F.scaled_dot_product_attention(q.reshape(b, hk, n_rep * w, dh), keys, values, attn_mask=folded)
+    hk = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, hk, h // hk * w, dh), keys, values, attn_mask=folded_mask)
     return out.view(b, h, w, dh)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[..., dh] -> sin with its first half negated, for `rotate`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it, x*cos + rotate_half(x)*sin, to the bit:
+    rotate_half(x) = [-x2, x1] is x rolled by half a head with the sign moved onto sin
+    (`signed_sin`; negating is exact). Three ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 @dataclass(frozen=True)
@@ -181,14 +201,20 @@ class LeanDecoder:
     def norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return module(x) if self.transformers_kernels else rms_norm(x, module)
 
-    def attention(self, q, keys, values, mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        """q [B, H, W, dh], keys/values [B, Hkv, S + W, dh], mask [B, 1, W, S + W] -> [B, H, W, dh]."""
+    def folds(self, mask: torch.Tensor | None, width: int) -> bool:
+        """Whether a block of `width` tokens per row runs `fold_query_groups`."""
+        grouped = self.num_kv_heads != self.num_heads
+        return mask is not None and grouped and not self.transformers_kernels and 1 < width <= FOLD_MAX_TOKENS
+
+    def attention(self, q, keys, values, mask: torch.Tensor | None, is_causal: bool, folded_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, W, dh], keys/values [B, Hkv, S + W, dh], mask [B, 1, W, S + W] -> [B, H, W, dh];
+        `folded_mask`: `fold_mask(mask)`, where the block `folds`."""
         grouped = self.num_kv_heads != self.num_heads
         n_rep = self.num_heads // self.num_kv_heads
         if mask is not None and grouped and self.transformers_kernels:
             return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
-        if mask is not None and grouped and 1 < q.shape[2] <= FOLD_MAX_TOKENS:
-            return fold_query_groups(q, keys, values, mask, n_rep)
+        if folded_mask is not None:
+            return fold_query_groups(q, keys, values, folded_mask)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped)
 
     @torch.no_grad()
@@ -220,7 +246,8 @@ class LeanDecoder:
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.inner.embed_tokens(layout.pack(ids))  # [T, d]: T = B * W, or the real tokens when packed
         cos, sin = self.inner.rotary_emb(x, position_ids)  # [B, W, dh]
-        cos, sin = layout.pack(cos)[:, None], layout.pack(sin)[:, None]  # [T, 1, dh]: broadcast over heads
+        cos, sin = layout.pack(cos)[:, None], signed_sin(layout.pack(sin)[:, None])  # [T, 1, dh]: broadcast over heads
+        folded_mask = fold_mask(attention_mask, h // hk) if self.folds(attention_mask, ids.shape[1]) else None
         want = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}
         n = len(self.inner.layers)
@@ -230,13 +257,15 @@ class LeanDecoder:
             y = self.norm(x, layer.input_layernorm)
             if fused is None:
                 q, k, v = attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)
+                q = rotate(q.view(-1, h, dh), cos, sin)  # [T, H, dh]
+                k = rotate(k.view(-1, hk, dh), cos, sin)  # [T, Hkv, dh]
             else:
-                q, k, v = fused[i].qkv(y).split((h * dh, hk * dh, hk * dh), dim=-1)
-            q = rotate(q.view(-1, h, dh), cos, sin)  # [T, H, dh]
-            k = rotate(k.view(-1, hk, dh), cos, sin)  # [T, Hkv, dh]
+                qkv = fused[i].qkv(y)  # [T, (H + 2 Hkv) dh]
+                qk = rotate(qkv[:, : (h + hk) * dh].view(-1, h + hk, dh), cos, sin)  # q and k rotated together
+                q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + hk) * dh :]
             v = v.reshape(-1, hk, dh)
             keys, values = cache.layers[i].update(layout.grid(k).transpose(1, 2), layout.grid(v).transpose(1, 2))  # [B, Hkv, S + W, dh]
-            o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal)  # [B, H, W, dh]
+            o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal, folded_mask)  # [B, H, W, dh]
             x = x + attn.o_proj(layout.pack(o.transpose(1, 2)).reshape(-1, h * dh))
             y = self.norm(x, layer.post_attention_layernorm)
             if fused is None:

@@ -262,7 +262,9 @@ def test_cpu_blocks_fold_query_groups(monkeypatch, dtype):
     folded = run_rounds(model, lean=True, hidden_layers=(1, 3))
     assert calls and min(calls) >= 2, "multi-token blocks must take the folded path, one-token steps must not"
     assert 40 in calls, "a prompt of up to FOLD_MAX_TOKENS tokens folds too"
-    monkeypatch.setattr(lf, "fold_query_groups", lambda q, k, v, m, r: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
+    # the folded mask's first W rows are the block's own mask
+    unfolded = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, :, : q.shape[2]], enable_gqa=True)  # noqa: E731
+    monkeypatch.setattr(lf, "fold_query_groups", unfolded)
     grouped = run_rounds(model, lean=True, hidden_layers=(1, 3))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for a, b in zip(folded, grouped, strict=True):
@@ -280,3 +282,28 @@ def test_long_blocks_keep_grouped_sdpa(monkeypatch):
     monkeypatch.setattr(lf, "fold_query_groups", lambda *a: calls.append(a[0].shape[2]) or fold(*a))
     run_rounds(tiny_model("llama", 256, seed=3, layers=3), lean=True, hidden_layers=(1,))
     assert calls and set(calls) <= {2, 3, 4}, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_and_rms_norm_are_transformers_ops_to_the_bit(dtype):
+    """`rotate` (q and k rolled, the sign on sin) and `rms_norm` (the weight inside the call in
+    float32) change how many ops run, not one bit of what transformers computes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from dspark.lean_forward import rms_norm, rotate, signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 9, 5, 64, generator=g) * 3).to(dtype)  # [B, H, W, dh]
+    k = (torch.randn(1, 3, 5, 64, generator=g) * 3).to(dtype)
+    angles = torch.rand(1, 5, 32, generator=g) * 40
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)  # [B, W, dh]
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q = rotate(q, cos[:, None], signed_sin(sin[:, None]))
+    got_k = rotate(k, cos[:, None], signed_sin(sin[:, None]))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    norm.weight.data = torch.rand(64, generator=g) + 0.5
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 64, generator=g) * 4).to(dtype)
+    assert torch.equal(rms_norm(x, norm), norm(x))
