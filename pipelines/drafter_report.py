@@ -33,7 +33,11 @@ import numpy as np
 
 
 def _bonus_text(prior: dict) -> str:
-    """A copy prior's bonuses as the report prints them: per order, then per (order, kind)."""
+    """A copy rule as the report prints it: a prior's bonuses per order, then per (order,
+    kind); a scorer's orders and its largest weights."""
+    if "scorer" in prior:
+        weights = sorted(prior["scorer"]["weights"].items(), key=lambda kv: -abs(kv[1]))[:6]
+        return f"learned scorer over orders {prior['scorer']['orders']}, largest weights " + ", ".join(f"{k} {w:+.2f}" for k, w in weights)
     kinds = prior.get("kind_bonuses")
     return f"{prior['bonuses']}" + (f", per kind {kinds}" if kinds else "")
 
@@ -154,7 +158,10 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     vocab_note = "" if vocab is None else f", draft vocabulary {len(vocab)}"
     t0 = time.time()
     copy = ck.copy_prior
-    copy_note = "" if copy is None else f", copy prior {_bonus_text(copy.to_dict())}"
+    copy_note = ""
+    if copy is not None:  # a scorer's weights are too many for a legend: the report's text lists them
+        rule = copy.to_dict()
+        copy_note = f", learned copy decision (orders {rule['scorer']['orders']})" if "scorer" in rule else f", copy prior {_bonus_text(rule)}"
     walk = stride == 1 and max_blocks is None  # a per-round walk needs every anchor
     res = evaluate(model, reader, rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
     steps = {"dspark": _trained_steps(ck)}
@@ -316,9 +323,12 @@ def _markdown(s: dict, files: list[str]) -> str:
         copy_line = [
             "",
             f"Copy prior ({_bonus_text(s['copy_prior'])}, fitted on the calib split): {100 * lift:+.1f}% tau overall. "
-            "It adds a bonus to the token that followed the latest earlier occurrence of the path's last n-gram, "
-            "by order and kind of match (u: seen once, c: always continued alike, a: not) "
-            "(dspark/dspark_drafter/copy_prior.py); the rows above and below without it show the network alone.",
+            + ("It decides, at each Markov step, between the drafter's top-1 and the tokens that followed the latest "
+               "earlier occurrences of the path's last n-grams, by a utility learned on the target's own path "
+               if "scorer" in s["copy_prior"] else
+               "It adds a bonus to the token that followed the latest earlier occurrence of the path's last n-gram, "
+               "by order and kind of match (u: seen once, c: always continued alike, a: not) ")
+            + "(dspark/dspark_drafter/copy_prior.py); the rows above and below without it show the network alone.",
         ]
     lines += copy_line + [
         "",

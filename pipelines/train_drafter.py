@@ -9,8 +9,9 @@ Stages (all by default, each resumable; rerun the same command to continue):
              cap prompt lengths, as one number or per domain ({default: 256, summarization: 768})
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/runs/<run>
              (over the reduced draft vocabulary with `train.reduced_vocab: true`)
-  calibrate  fits the copy prior's n-gram bonuses (`copy_prior:` in the config) by greedy tau,
-             then Sequential Temperature Scaling, on the calib split (plus per-position offsets with
+  calibrate  fits the copy rule (`copy_prior:` in the config): the n-gram bonuses by greedy
+             tau, or with `scorer:` the learned copy decision (a conditional logit on the
+             target's own path), then Sequential Temperature Scaling, on the calib split (plus per-position offsets with
              `calibration_offsets: true`); writes the final checkpoint (safetensors +
              config.json with the calibration and the target fingerprint) to `output`,
              plus draft_vocab.safetensors when the config sets `draft_vocab: N` (the drafter
@@ -327,13 +328,17 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
 
 
 def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger):
-    """(CopyPrior, fit record) from the config's `copy_prior: {orders, grid, kinds, kind_grid}`:
-    coordinate ascent of greedy tau per round (every anchor evaluated, each answer walked round
-    by round: what decoding gains) on `rows` (the calib split), one bonus per order; then, with
-    `kinds`, one sweep refining the bonus of each (order, kind) from there. (None, None)
-    without one."""
-    from dspark.dspark_drafter.copy_prior import fit_bonuses
-    from dspark.training.trainer import evaluate_copy_priors
+    """(copy rule, fit record) from the config's `copy_prior:`, on `rows` (the calib split);
+    (None, None) without one.
+    - `{scorer: {orders, l2}, ...}`: the learned copy decision (`CopyScorer`): every copy decision
+      along the target's own path (`collect_copy_decisions`), fitted as a conditional logit
+      (`fit_copy_scorer`); the record has the fit and greedy tau per round with and without it.
+    - `{orders, grid, kinds, kind_grid}` (no `scorer`, or `scorer: null`): one bonus per order
+      by coordinate ascent of greedy tau per round (every anchor evaluated, each answer walked
+      round by round: what decoding gains); then, with `kinds`, one sweep refining the bonus
+      of each (order, kind)."""
+    from dspark.dspark_drafter.copy_prior import fit_bonuses, fit_copy_scorer
+    from dspark.training.trainer import collect_copy_decisions, evaluate_copy_priors
 
     spec = cfg.get("copy_prior")
     if not spec:
@@ -342,6 +347,17 @@ def fit_copy_prior(cfg: dict, model, reader, rows: list[int], vocab, log: Logger
     def score(priors):
         return [r.decoded_tau() for r in evaluate_copy_priors(model, reader, rows, priors, 1, draft_vocab=vocab)]
 
+    if spec.get("scorer") is not None:
+        orders = tuple(spec["scorer"].get("orders", [2, 3, 4, 5, 6, 8]))
+        t0 = time.time()
+        decisions = collect_copy_decisions(model, reader, rows, orders, vocab)
+        scorer, info = fit_copy_scorer(decisions, orders, float(spec["scorer"].get("l2", 1e-4)))
+        without, with_ = score([None, scorer])
+        log(f"copy scorer on {len(rows)} calib answers: {info['decisions']} decisions in {time.time() - t0:.0f} s, top-1 right in "
+            f"{info['top1_right']:.3f}, fitted rule right in {info['decision_accuracy']:.3f}; tau {without:.3f} without -> {with_:.3f}")
+        info = {"objective": "conditional logit of the target's token among the top-1 and the copy candidates", **info,
+                "calib_tau_without": without, "calib_tau": with_}
+        return (scorer if scorer.active else None), info
     best, tried = fit_bonuses(score, spec.get("orders", [2, 3, 4]), spec.get("grid", [2, 4, 8, 16, 32]))
     log(f"copy prior on {len(rows)} calib answers ({len(tried)} tried): {best.to_dict()}, "
         f"tau {tried[0][1]:.3f} without -> {max(t for _, t in tried):.3f}")

@@ -9,13 +9,20 @@ from hypothesis import strategies as st
 import numpy as np
 
 from dspark.dspark_drafter.copy_prior import (
+    MAX_DISTINCT,
+    Candidate,
     CopyPrior,
+    CopyScorer,
     Match,
     NgramIndex,
+    StepView,
     adjust_logits,
+    copy_rule_from_dict,
     fit_bonuses,
     fit_confidence,
+    fit_copy_scorer,
     match_class,
+    scorer_features,
 )
 
 PRIOR = CopyPrior(((2, 1.0), (3, 10.0), (4, 100.0)))
@@ -183,3 +190,117 @@ def test_confidence_fit_recovers_a_known_logistic_per_class():
     prior = PRIOR.with_confidence(fit)
     np.testing.assert_allclose(adjust_logits(prior, z, classes), true, atol=0.4)
     assert fit_confidence(z[:10], accepted[:10], classes[:10]) == {}  # too few steps: identity
+
+
+# ---------------------------------------------------------------- the learned copy decision
+
+ORDERS = (2, 3, 5)
+
+
+def brute_force_evidence(seq: list[int], orders: tuple[int, ...], prompt_len: int) -> tuple[int, dict[int, Candidate]]:
+    """The spec of `NgramIndex.evidence` for the position after seq: per order, the followers of
+    the earlier occurrences of seq's last o - 1 tokens; per copied token (the latest follower),
+    the evidence of the longest order proposing it, and how many orders propose it."""
+    longest, out = 0, {}
+    for o in orders:
+        key = seq[len(seq) - o + 1 :]
+        if len(seq) < o - 1:
+            continue
+        at = [i for i in range(o - 1, len(seq)) if seq[i - o + 1 : i] == key]  # follower positions, oldest first
+        if not at:
+            continue
+        followers = [seq[i] for i in at]
+        distinct = len(set(followers))
+        kind = "u" if len(at) == 1 else ("c" if distinct == 1 else "a")
+        token, pos = followers[-1], at[-1]
+        agree = out[token].agree + 1 if token in out else 1
+        out[token] = Candidate(o, kind, len(at), len(seq) - pos, agree, min(distinct, MAX_DISTINCT), pos < prompt_len)
+        longest = o
+    return longest, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq=st.lists(st.integers(0, 7), min_size=1, max_size=40), fresh=st.integers(0, 8), prompt_len=st.integers(0, 20))
+def test_evidence_over_committed_and_drafted_tokens_matches_a_scan(seq, fresh, prompt_len):
+    fresh = min(fresh, len(seq) - 1)
+    committed, path = seq[: len(seq) - fresh], seq[len(seq) - fresh :]
+    index = NgramIndex(ORDERS, committed, prompt_len=prompt_len)
+    suffix = committed[-(max(ORDERS) - 1) :] + path
+    assert index.evidence(suffix, ORDERS, fresh=len(path)) == brute_force_evidence(seq, ORDERS, prompt_len)
+
+
+def test_evidence_tells_distance_agreement_and_the_prompt_apart():
+    # prompt [4, 1, 2, 3], answer so far [9, 1, 2]: (1, 2) -> 3 in the prompt; (2,) -> 3 too
+    index = NgramIndex((2, 3), [4, 1, 2, 3, 9, 1, 2], prompt_len=4)
+    cls, cands = index.evidence([9, 1, 2], (2, 3))
+    assert cls == 3 and cands == {3: Candidate(3, "u", 1, 4, 2, 1, True)}  # follower at 3, drafting position 7
+    # a drafted 2 -> 8 makes (2,) ambiguous and its latest follower 8, drafted one position ago
+    cls, cands = index.evidence([1, 2, 8, 2], (2, 3), fresh=2)
+    assert cands[8] == Candidate(2, "a", 2, 2, 1, 2, False) and cls == 2
+
+
+def scorer_with(**named: float) -> CopyScorer:
+    names = scorer_features(ORDERS)
+    return CopyScorer(ORDERS, tuple(named.get(n, 0.0) for n in names))
+
+
+def test_scorer_gives_each_candidate_the_odds_its_utility_says():
+    """A candidate's logit becomes l_top1 + u(c): p(c) / p(top-1) = exp(u(c)); the top-1 itself
+    is never rescored, and with zero weights every candidate ties with it."""
+    scorer = scorer_with(bias=-1.0, gap=-2.0, **{"3c": 3.0}, from_prompt=0.5)
+    step = StepView(k=2, top1=7, l_top1=5.0, lse=6.0, z=0.3)
+    cands = {
+        11: Candidate(3, "c", 4, 10, 2, 1, True),
+        12: Candidate(2, "u", 1, 3, 1, 1, False),
+        7: Candidate(5, "u", 1, 2, 1, 1, False),
+    }
+    logits = {11: (3.0, True), 12: (4.0, False), 7: (5.0, True)}
+    new = scorer.rescore(cands, logits, step)
+    # 11: -1 - 2 * (5 - 3) / 10 + 3 + 0.5 = 2.1; 12: -1 - 2 * (5 - 4) / 10 = -1.2
+    assert new == pytest.approx({11: 5.0 + 2.1, 12: 5.0 - 1.2})
+    odds = np.exp(new[11] - step.l_top1)
+    assert odds == pytest.approx(np.exp(scorer.utility(cands[11], *logits[11], step)))
+    assert scorer_with().rescore(cands, logits, step) == {11: 5.0, 12: 5.0}
+    assert not scorer_with().active and scorer.active and scorer.span == 4
+
+
+def test_scorer_validates_and_round_trips():
+    scorer = scorer_with(bias=0.25, agree=1.5, **{"5a": -2.0}).with_confidence({0: (1.2, 0.1), 5: (0.5, 1.0)})
+    d = scorer.to_dict()
+    assert d["scorer"]["weights"]["5a"] == -2.0 and d["confidence"]["5"] == [0.5, 1.0]
+    assert copy_rule_from_dict(d) == scorer
+    assert copy_rule_from_dict(PRIOR.to_dict()) == PRIOR and copy_rule_from_dict(None) is None
+    with pytest.raises(ValueError, match="weights"):
+        CopyScorer(ORDERS, (0.0,) * 3)
+    bad = {"scorer": {"orders": [2, 3], "weights": d["scorer"]["weights"]}}  # weights of another order set
+    with pytest.raises(ValueError, match="do not match"):
+        copy_rule_from_dict(bad)
+
+
+def test_fit_copy_scorer_recovers_a_known_conditional_logit():
+    """Decisions drawn from a known rule (the top-1 at utility 0, each candidate at w . phi) with
+    a fixed seed: the fit recovers w, and its decisions agree with the true rule's."""
+    rng = np.random.default_rng(0)
+    names = scorer_features(ORDERS)
+    true = np.zeros(len(names))
+    true[[names.index(n) for n in ("bias", "gap", "2u", "3c", "agree", "confidence")]] = [1.0, -4.0, -1.5, 2.0, 1.0, 0.8]
+    decisions = []
+    for _ in range(6000):
+        m = int(rng.integers(1, 4))
+        phi = np.zeros((m, len(names)))
+        phi[:, 0] = 1.0
+        phi[:, 1] = rng.uniform(0, 2, m)
+        phi[np.arange(m), 2 + rng.integers(0, 3 * len(ORDERS), m)] = 1.0
+        phi[:, names.index("agree")] = rng.integers(1, 4, m) / 4
+        phi[:, names.index("confidence")] = rng.normal(0, 1, m)
+        u = np.concatenate([[0.0], phi @ true])
+        p = np.exp(u - u.max())
+        decisions.append((phi.tolist(), int(rng.choice(m + 1, p=p / p.sum()))))
+    scorer, info = fit_copy_scorer(decisions, ORDERS, l2=1e-6)
+    fitted = np.array(scorer.weights)
+    for n in ("bias", "gap", "2u", "3c", "agree", "confidence"):
+        assert fitted[names.index(n)] == pytest.approx(true[names.index(n)], abs=0.35), n
+    assert info["decisions"] == 6000 and 0.0 < info["top1_right"] < 1.0
+    agree = np.mean([np.argmax(np.concatenate([[0.0], np.array(f) @ fitted])) == np.argmax(np.concatenate([[0.0], np.array(f) @ true]))
+                     for f, _ in decisions])
+    assert agree > 0.95

@@ -23,7 +23,7 @@ from dspark.dspark_drafter import (
     save_checkpoint,
 )
 from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperature_scaling, sigmoid
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, adjust_logits
+from dspark.dspark_drafter.copy_prior import CopyPrior, CopyScorer, NgramIndex, adjust_logits, scorer_features
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
 from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
@@ -719,10 +719,21 @@ def test_copy_prior_copies_a_repeated_phrase_even_outside_the_draft_vocabulary(t
     assert set(plain.propose([req], 5)[0].tokens) <= set(subset.tolist())
 
 
+def learned_rule() -> CopyScorer:
+    """A copy scorer with hand-set weights under which, in the chains below, some steps copy
+    and others follow the model; confidence corrections per match class as a calibrated
+    checkpoint has them."""
+    names = scorer_features((2, 3))
+    weights = {"bias": 1.0, "gap": -3.0, "2u": -0.5, "3c": 1.0, "agree": 0.5, "log_distance": -0.4, "confidence": 0.3, "from_prompt": 0.2}
+    return CopyScorer((2, 3), tuple(weights.get(n, 0.0) for n in names), ((0, 1.0, -0.5), (2, 0.5, 1.0), (3, 2.0, 0.25)))
+
+
+@pytest.mark.parametrize("rule", ["bonuses", "scorer"])
 @pytest.mark.parametrize("vocab", [None, "reduced"])
-def test_runtime_copy_chain_equals_the_offline_walk(target, vocab):
+def test_runtime_copy_chain_equals_the_offline_walk(target, vocab, rule):
     """The engine plug-in proposes exactly the chain the offline evaluation scores: the
-    Markov walk with the copy bonuses, copied tokens scored from their LM-head rows."""
+    Markov walk with the copy rule (bonuses, or the learned scorer), copied tokens scored from
+    their LM-head rows."""
     from dspark.training.trainer import free_running
 
     model = make_model(target)
@@ -731,7 +742,9 @@ def test_runtime_copy_chain_equals_the_offline_walk(target, vocab):
     subset = None if vocab is None else torch.tensor(sorted({3, 5, 6, 10, 11, 40, 41, 77, 90}))
     # small bonuses: in these chains some steps copy, others follow the model; confidence
     # corrections per match class as a calibrated checkpoint has them
-    prior = CopyPrior(((2, 0.6), (3, 1.2)), ((0, 1.0, -0.5), (2, 0.5, 1.0), (3, 2.0, 0.25)))
+    prior = CopyPrior(((2, 0.6), (3, 1.2)), ((0, 1.0, -0.5), (2, 0.5, 1.0), (3, 2.0, 0.25))) if rule == "bonuses" else learned_rule()
+    plain = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset)
+    changed = 0
     drafter = DSparkDrafter(model, options=DrafterOptions(branch_width=1), eos_token_ids=[], draft_vocab=subset, copy=prior)
     seen_classes = set()
     for seed, tokens in enumerate(([5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2, 4, 1, 2], [9, 8, 9, 8, 9])):
@@ -739,6 +752,9 @@ def test_runtime_copy_chain_equals_the_offline_walk(target, vocab):
         hidden = fake_hidden(drafter, len(tokens) - 1, seed=seed)
         drafter.start(req, hidden)
         (tree,) = drafter.propose([req], 5)
+        alone = DraftRequest(0, list(tokens), SamplingParams())
+        plain.start(alone, hidden)
+        changed += plain.propose([alone], 5)[0].tokens != tree.tokens
         with torch.no_grad():
             ctx = model.project_context(torch.cat(hidden, dim=-1)[-model.cfg.context_len :])[None]
             out = model.forward_block(ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool), torch.tensor([tokens[-1]]), 5)
@@ -748,12 +764,15 @@ def test_runtime_copy_chain_equals_the_offline_walk(target, vocab):
                 forbid[subset] = 0.0
                 masked = masked + forbid
             chain, conf, classes = free_running(model, masked, out.conf_h, torch.tensor([tokens[-1]]), True, prior,
-                                                [(NgramIndex(prior.orders, tokens), list(tokens))], out.base_logits)
+                                                [(NgramIndex(prior.orders, tokens, prompt_len=len(tokens) - 1), list(tokens))], out.base_logits)
         assert tree.tokens == chain[0].tolist()
         adjusted = adjust_logits(prior, conf[0].numpy(), classes[0].numpy())  # the class corrections
         assert tree.confidence == pytest.approx((1 / (1 + np.exp(-adjusted))).tolist(), abs=1e-5)
         seen_classes.update(classes[0].tolist())
-    assert seen_classes == {0, 2, 3}  # steps without a match, and with matches of both orders
+    if rule == "bonuses":
+        assert seen_classes == {0, 2, 3}  # steps without a match, and with matches of both orders
+    else:
+        assert seen_classes - {0} and changed >= 1  # the learned rule made the drafter propose something else
 
 
 def test_copy_prior_sampling_q_covers_copied_tokens_outside_the_vocabulary(target):
@@ -771,9 +790,10 @@ def test_copy_prior_sampling_q_covers_copied_tokens_outside_the_vocabulary(targe
     assert float(tree.q[0][60]) > 0  # after 50 the sequence had 60: its column exists
 
 
-def test_checkpoint_carries_its_copy_prior(tmp_path, target):
+@pytest.mark.parametrize("rule", ["bonuses", "scorer"])
+def test_checkpoint_carries_its_copy_prior(tmp_path, target, rule):
     model = make_model(target)
-    prior = CopyPrior(((2, 0.0), (3, 8.0)))
+    prior = CopyPrior(((2, 0.0), (3, 8.0))) if rule == "bonuses" else learned_rule()
     save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), copy_prior=prior)
     assert load_drafter(tmp_path / "ck", target).copy == prior
     assert load_drafter(tmp_path / "ck", target, copy_prior=False).copy is None

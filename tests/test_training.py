@@ -12,7 +12,7 @@ import yaml
 import torch
 
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
-from dspark.dspark_drafter.copy_prior import CopyPrior
+from dspark.dspark_drafter.copy_prior import CopyPrior, CopyScorer
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
 from dspark.training.data import Prompt, load_prompts, plan_generation, read_jsonl, split_of
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
@@ -459,6 +459,38 @@ def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, t
     assert any(p.kind_bonuses for p in tried) and any("per match kind" in line for line in lines)
     shipped = CopyPrior(drafter.copy.bonuses, kind_bonuses=drafter.copy.kind_bonuses)  # without its confidence correction
     assert tried[shipped] == max(tried.values())
+
+
+def test_calibrating_with_a_copy_scorer_learns_when_to_copy(cache_dir, target, tmp_path):
+    """`copy_prior: {scorer: ...}`: the copy decision is fitted on calib along the target's own
+    path (the tiny target's answers repeat tokens, so copying pays); the checkpoint carries the
+    learned rule with its confidence correction, and eval tau rises with it."""
+    import shutil
+
+    from pipelines.train_drafter import stage_calibrate
+
+    torch.manual_seed(0)
+    source = build_model(drafter_cfg(target), target.model)
+    save_checkpoint(tmp_path / "source", source, Fingerprint.of(target), dtype=torch.float32)
+    work = tmp_path / "work"
+    for split in ("calib", "eval"):
+        shutil.copytree(cache_dir, work / "cache" / split)
+    model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    cfg = {"model": model, "eval": {"stride": 1}, "copy_prior": {"scorer": {"orders": [2, 3, 4]}}}
+    lines: list[str] = []
+    extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lines.append, init_from=tmp_path / "source")
+    fit = extra["copy_prior_fit"]
+    assert fit["decisions"] > 100 and fit["calib_tau"] > fit["calib_tau_without"]
+    assert extra["eval_tau_greedy"]["all"] > extra["eval_tau_greedy_without_copy"]["all"] + 0.2
+    drafter = load_drafter(tmp_path / "ck", target)
+    assert isinstance(drafter.copy, CopyScorer) and drafter.copy.orders == (2, 3, 4) and drafter.copy.confidence
+    assert any("copy scorer on" in line for line in lines)
+    # the drafter report reads the learned rule: tau with and without it, and what it is
+    from pipelines.drafter_report import build_report
+
+    s = build_report({"target": "tiny", "seed": 0, "work_dir": str(work)}, tmp_path / "report", tmp_path / "ck", None, None, stride=1)
+    assert s["results"]["dspark"]["tau"]["all"] > s["results"]["dspark_no_copy"]["tau"]["all"]
+    assert "learned scorer over orders [2, 3, 4]" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_decoded_tau_walks_the_answer_round_by_round():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.dspark_drafter.copy_prior import CopyPrior
+from dspark.dspark_drafter.copy_prior import CopyRule, copy_rule_from_dict
 from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
 from dspark.dspark_drafter.vocab import VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
@@ -84,7 +84,7 @@ class Checkpoint:
     target: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # calibration figures, training card data
     draft_vocab: torch.Tensor | None = None  # sorted token ids the drafter proposes from; None = all
-    copy_prior: CopyPrior | None = None  # n-gram copy bonuses fitted on the calibration split
+    copy_prior: CopyRule | None = None  # n-gram copy rule (bonuses or a scorer) fitted on the calibration split
 
 
 def save_checkpoint(
@@ -95,7 +95,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     offsets: list[float] | None = None,
-    copy_prior: CopyPrior | None = None,
+    copy_prior: CopyRule | None = None,
     draft_vocab: torch.Tensor | None = None,
 ) -> Path:
     """Write weights (in `dtype`, bf16 by default: half the size) and config atomically.
@@ -159,7 +159,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         target=meta.get("target") or {},
         extra=meta.get("extra") or {},
         draft_vocab=vocab,
-        copy_prior=CopyPrior.from_dict((meta.get("calibration") or {}).get("copy_prior")),
+        copy_prior=copy_rule_from_dict((meta.get("calibration") or {}).get("copy_prior")),
     )
 
 

@@ -21,23 +21,57 @@ The bonuses (`fit_bonuses`) and a confidence correction per match class (`fit_co
 are a few scalars fitted on the calibration split by the calibrate stage, stored in the
 checkpoint's config. Verification is unchanged, so outputs are too: only which tokens are
 proposed changes.
+
+A `CopyScorer` replaces the fixed bonuses with a learned decision. At each Markov step the
+options are the drafter's own top-1 and every copy candidate (the latest follower of each
+order's match); a candidate c is worth u(c) = w . phi(c) against the top-1, with phi the
+evidence for it (the longest order proposing it and that match's kind, how many orders agree,
+how often and how recently the n-gram was followed, whether from the prompt, the drafter's
+logits of c and of its top-1, the confidence head's logit, the step). Its logit becomes
+l_top1 + u(c), so p(c) / p(top-1) = exp(u(c)): the odds a conditional logit fitted on the
+calibration split (`fit_copy_scorer`, along the target's own path) gives it. Both rules share
+one interface: `lookup` (match class, candidates) and `rescore` (the candidates' new logits).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import numpy as np
 
 KINDS = ("u", "c", "a")  # unique, consistent, ambiguous earlier occurrences
+MAX_DISTINCT = 5  # distinct followers an index keeps per n-gram (enough for `KINDS` and the scorer's feature)
 
 
 class Match(NamedTuple):
     token: int  # the follower copied (the latest one)
     kind: str  # one of KINDS
+
+
+class Candidate(NamedTuple):
+    """A copy candidate's evidence, from the longest order proposing it."""
+
+    order: int
+    kind: str  # one of KINDS
+    count: int  # how often that (order - 1)-gram was followed
+    distance: int  # positions from the copied follower to the position being drafted (>= 1)
+    agree: int  # orders whose latest follower is this token
+    distinct: int  # distinct followers of that (order - 1)-gram (at most MAX_DISTINCT)
+    from_prompt: bool  # the copied follower lies in the prompt
+
+
+class StepView(NamedTuple):
+    """One parent's Markov step before copying, as a copy rule sees it."""
+
+    k: int  # depth in the block (0-based)
+    top1: int  # the drafter's own choice (token id)
+    l_top1: float  # its logit
+    lse: float  # log-sum-exp of the step's logits over the draft vocabulary
+    z: float  # the confidence head's raw logit at this step
 
 
 def match_kind(count: int, consistent: bool) -> str:
@@ -111,6 +145,15 @@ class CopyPrior:
     def active(self) -> bool:
         return bool(self.orders)
 
+    def lookup(self, index: "NgramIndex", suffix: Sequence[int], fresh: int = 0) -> tuple[int, dict[int, float]]:
+        """(match class, copied token -> summed bonus) after `suffix` (see `NgramIndex.matches`)."""
+        found = index.matches(suffix, self, fresh)
+        return match_class(found), candidates_of(found, self)
+
+    def rescore(self, cands: dict[int, float], logits: dict[int, tuple[float, bool]], step: StepView) -> dict[int, float]:
+        """Copied token -> its logit plus its bonus. logits: token -> (logit, in the draft vocabulary)."""
+        return {t: logits[t][0] + b for t, b in cands.items()}
+
     def to_dict(self) -> dict:
         out: dict = {"bonuses": {str(o): b for o, b in self.bonuses}}
         if self.kind_bonuses:
@@ -129,13 +172,16 @@ class CopyPrior:
 
 
 class NgramIndex:
-    """For every order o, the token that followed the most recent occurrence of each
-    (o - 1)-gram of a growing sequence, how often the (o - 1)-gram was followed, and whether
-    always by the same token. `extend` is O(orders) per token."""
+    """For every order o, per (o - 1)-gram of a growing sequence: the token that followed its
+    most recent occurrence and that follower's position, how often it was followed, and its
+    distinct followers (the first MAX_DISTINCT). `extend` is O(orders) per token. Positions
+    before `prompt_len` are the prompt's."""
 
-    def __init__(self, orders: Sequence[int], tokens: Iterable[int] = ()) -> None:
+    def __init__(self, orders: Sequence[int], tokens: Iterable[int] = (), prompt_len: int = 0) -> None:
         self.orders = tuple(sorted(set(orders)))
-        self.follow: dict[int, dict[tuple[int, ...], tuple[int, int, bool]]] = {o: {} for o in self.orders}  # key -> (latest, count, consistent)
+        # key -> (latest follower, times followed, distinct followers, the latest's position)
+        self.follow: dict[int, dict[tuple[int, ...], tuple[int, int, tuple[int, ...], int]]] = {o: {} for o in self.orders}
+        self.prompt_len = prompt_len
         self._tail: list[int] = []  # the last max(order) tokens
         self.size = 0  # tokens seen
         self.extend(tokens)
@@ -144,15 +190,33 @@ class NgramIndex:
         keep = max(self.orders, default=1)
         for t in tokens:
             t = int(t)
-            self.size += 1
             self._tail.append(t)
             for o in self.orders:
                 if len(self._tail) >= o:
                     key = tuple(self._tail[-o:-1])
-                    seen = self.follow[o].get(key)
-                    self.follow[o][key] = (t, 1, True) if seen is None else (t, seen[1] + 1, seen[2] and seen[0] == t)
+                    _, count, followers, _ = self.follow[o].get(key, (t, 0, (), 0))
+                    if t not in followers and len(followers) < MAX_DISTINCT:
+                        followers += (t,)
+                    self.follow[o][key] = (t, count + 1, followers, self.size)
+            self.size += 1
             if len(self._tail) > keep:
                 del self._tail[0]
+
+    def _match(self, suffix: Sequence[int], o: int, fresh: int) -> tuple[int, int, tuple[int, ...], int] | None:
+        """Order o's match after `suffix` (see `matches`): (latest follower, times followed,
+        distinct followers, the latest's position in the sequence), or None."""
+        n = len(suffix)
+        if o - 1 > n:
+            return None
+        key = tuple(suffix[n - o + 1 :])
+        latest, count, followers, pos = self.follow[o].get(key, (None, 0, (), -1)) if o in self.follow else (None, 0, (), -1)
+        first = self.size - (n - fresh)  # the sequence position of suffix[0]
+        for i in range(max(n - fresh, o - 1), n):  # followers among the drafted tokens, oldest first
+            if tuple(suffix[i - o + 1 : i]) == key:
+                latest, count, pos = suffix[i], count + 1, first + i
+                if latest not in followers and len(followers) < MAX_DISTINCT:
+                    followers += (latest,)
+        return None if latest is None else (int(latest), count, followers, pos)
 
     def matches(self, suffix: Sequence[int], prior: CopyPrior, fresh: int = 0) -> dict[int, Match]:
         """Order -> the token that followed the most recent earlier occurrence of `suffix`'s
@@ -161,26 +225,34 @@ class NgramIndex:
         `fresh` are drafted ones the index has not seen (give at least `prior.span` tokens
         before them); occurrences among them are the most recent."""
         out: dict[int, Match] = {}
-        n = len(suffix)
         for o in prior.orders:
-            if o - 1 > n:
+            m = self._match(suffix, o, fresh)
+            if m is None:
                 continue
-            key = tuple(suffix[n - o + 1 :])
-            drafted = [suffix[i] for i in range(n - 1, max(n - fresh, o - 1) - 1, -1) if tuple(suffix[i - o + 1 : i]) == key]
-            latest, count, consistent = self.follow[o].get(key, (None, 0, True)) if o in self.follow else (None, 0, True)
-            if drafted:  # followers among the drafted tokens, most recent first
-                consistent = consistent and all(t == drafted[0] for t in drafted) and (latest is None or latest == drafted[0])
-                latest, count = drafted[0], count + len(drafted)
-            if latest is None:
-                continue
-            m = Match(int(latest), match_kind(count, consistent))
-            if prior.bonus(o, m.kind) > 0:
-                out[o] = m
+            found = Match(m[0], match_kind(m[1], len(m[2]) == 1))
+            if prior.bonus(o, found.kind) > 0:
+                out[o] = found
         return out
 
     def candidates(self, suffix: Sequence[int], prior: CopyPrior, fresh: int = 0) -> dict[int, float]:
         """Copy candidates after `suffix` (see `matches`) -> summed bonus."""
         return candidates_of(self.matches(suffix, prior, fresh), prior)
+
+    def evidence(self, suffix: Sequence[int], orders: Sequence[int], fresh: int = 0) -> tuple[int, dict[int, Candidate]]:
+        """(the longest matched order (0: none), copied token -> its `Candidate` evidence) over
+        every order in `orders` (ascending) that has a match after `suffix` (as in `matches`)."""
+        here = self.size + fresh  # the position being drafted
+        out: dict[int, Candidate] = {}
+        longest = 0
+        for o in orders:
+            m = self._match(suffix, o, fresh)
+            if m is None:
+                continue
+            token, count, followers, pos = m
+            longest = o
+            agree = out[token].agree + 1 if token in out else 1
+            out[token] = Candidate(o, match_kind(count, len(followers) == 1), count, here - pos, agree, len(followers), pos < self.prompt_len)
+        return longest, out
 
 
 def candidates_of(matches: dict[int, Match], prior: CopyPrior) -> dict[int, float]:
@@ -196,7 +268,7 @@ def match_class(matches: dict[int, Match]) -> int:
     return max(matches, default=0)
 
 
-def adjust_logits(prior: CopyPrior, z: np.ndarray, classes: np.ndarray) -> np.ndarray:
+def adjust_logits(prior: CopyRule, z: np.ndarray, classes: np.ndarray) -> np.ndarray:
     """Raw confidence logits and their steps' match classes (same shape) -> the corrected
     logits: scale * z + shift of each class the prior has a correction for, z otherwise."""
     out = np.array(z, dtype=np.float64, copy=True)
@@ -273,3 +345,148 @@ def fit_bonuses(
         if not changed:
             break
     return best, list(scores.items())
+
+
+# ------------------------------------------------------------------ learned copy decision
+
+
+def scorer_features(orders: Sequence[int]) -> tuple[str, ...]:
+    """The names of a scorer's features, in `CopyScorer.features` order."""
+    return (
+        ("bias", "gap") + tuple(f"{o}{k}" for o in orders for k in KINDS)
+        + ("agree", "log_count", "log_distance", "step", "top1_logprob", "logprob", "in_vocab", "distinct", "from_prompt", "confidence")
+    )
+
+
+@dataclass(frozen=True)
+class CopyScorer:
+    """The learned copy decision (module docstring): utility u(c) = w . phi(c) of copying c
+    instead of the drafter's top-1, over `scorer_features(orders)`; confidence corrections per
+    match class (the longest matched order) as in `CopyPrior`."""
+
+    orders: tuple[int, ...]
+    weights: tuple[float, ...]
+    confidence: tuple[tuple[int, float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        orders = tuple(sorted({int(o) for o in self.orders}))
+        if not orders or orders[0] < 2:
+            raise ValueError(f"copy scorer orders must be >= 2, got {self.orders}")
+        object.__setattr__(self, "orders", orders)
+        if len(self.weights) != len(scorer_features(orders)):
+            raise ValueError(f"copy scorer over orders {orders} needs {len(scorer_features(orders))} weights, got {len(self.weights)}")
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        object.__setattr__(self, "confidence", tuple(sorted((int(c), float(a), float(b)) for c, a, b in self.confidence)))
+
+    @property
+    def span(self) -> int:
+        return self.orders[-1] - 1
+
+    @property
+    def active(self) -> bool:
+        return any(self.weights)
+
+    @cached_property
+    def _slots(self) -> dict[tuple[int, str], int]:  # (order, kind) -> its one-hot feature
+        return {(o, k): 2 + 3 * i + j for i, o in enumerate(self.orders) for j, k in enumerate(KINDS)}
+
+    def features(self, c: Candidate, logit: float, in_vocab: bool, step: StepView) -> list[float]:
+        """phi(c): a candidate with its logit (the LM-head row plus the Markov bias) at `step`,
+        each feature scaled to about [-1, 1]."""
+        phi = [0.0] * len(self.weights)
+        phi[0] = 1.0
+        phi[1] = min(step.l_top1 - logit, 40.0) / 10.0
+        phi[self._slots[c.order, c.kind]] = 1.0
+        phi[-10:] = [
+            c.agree / 4.0,
+            math.log1p(c.count) / 3.0,
+            math.log(c.distance) / 5.0,
+            step.k / 7.0,
+            (step.l_top1 - step.lse) / 5.0,
+            max(logit - step.lse, -40.0) / 10.0,
+            float(in_vocab),
+            min(c.distinct, MAX_DISTINCT) / MAX_DISTINCT,
+            float(c.from_prompt),
+            max(min(step.z, 10.0), -10.0) / 5.0,
+        ]
+        return phi
+
+    def utility(self, c: Candidate, logit: float, in_vocab: bool, step: StepView) -> float:
+        return sum(w * f for w, f in zip(self.weights, self.features(c, logit, in_vocab, step)) if f)
+
+    def lookup(self, index: NgramIndex, suffix: Sequence[int], fresh: int = 0) -> tuple[int, dict[int, Candidate]]:
+        """(match class, copied token -> its evidence) after `suffix` (see `NgramIndex.evidence`)."""
+        return index.evidence(suffix, self.orders, fresh)
+
+    def rescore(self, cands: dict[int, Candidate], logits: dict[int, tuple[float, bool]], step: StepView) -> dict[int, float]:
+        """Each candidate other than the top-1 -> l_top1 + u(c). logits: token -> (logit, in the draft vocabulary)."""
+        return {t: step.l_top1 + self.utility(c, *logits[t], step) for t, c in cands.items() if t != step.top1}
+
+    def with_confidence(self, confidence: dict[int, tuple[float, float]]) -> "CopyScorer":
+        return CopyScorer(self.orders, self.weights, tuple((c, a, b) for c, (a, b) in confidence.items()))
+
+    def to_dict(self) -> dict:
+        out: dict = {"scorer": {"orders": list(self.orders), "weights": dict(zip(scorer_features(self.orders), self.weights))}}
+        if self.confidence:
+            out["confidence"] = {str(c): [a, b] for c, a, b in self.confidence}
+        return out
+
+    @staticmethod
+    def from_dict(d: dict) -> "CopyScorer":
+        orders = tuple(int(o) for o in d["scorer"]["orders"])
+        weights = d["scorer"]["weights"]
+        names = scorer_features(orders)
+        if set(weights) != set(names):
+            raise ValueError(f"copy scorer weights {sorted(weights)} do not match its features {list(names)}")
+        conf = tuple((int(c), float(a), float(b)) for c, (a, b) in (d.get("confidence") or {}).items())
+        return CopyScorer(orders, tuple(float(weights[n]) for n in names), conf)
+
+
+CopyRule = Union[CopyPrior, CopyScorer]
+
+
+def copy_rule_from_dict(d: dict | None) -> CopyRule | None:
+    """A checkpoint's `copy_prior` entry -> its rule: a scorer when it has one, else bonuses."""
+    if not d:
+        return None
+    return CopyScorer.from_dict(d) if "scorer" in d else CopyPrior.from_dict(d)
+
+
+def fit_copy_scorer(
+    decisions: Sequence[tuple[Sequence[Sequence[float]], int]], orders: Sequence[int], l2: float = 1e-4
+) -> tuple[CopyScorer, dict]:
+    """Conditional logit over the options of each decision: the top-1 (utility 0) and the
+    candidates (features phi, utility w . phi); label 0 = the top-1 was the target's token,
+    i >= 1 = candidate i was. Maximum likelihood with an L2 penalty on all weights but the
+    bias (L-BFGS). Returns the scorer and a fit record (decisions, share the top-1 was right,
+    the fitted rule's decision accuracy on them)."""
+    import torch
+
+    names = scorer_features(tuple(sorted(set(orders))))
+    if not decisions:
+        return CopyScorer(tuple(orders), (0.0,) * len(names)), {"decisions": 0}
+    width = max(len(f) for f, _ in decisions)
+    x = torch.zeros(len(decisions), width, len(names), dtype=torch.float64)  # [n, m, F]
+    valid = torch.zeros(len(decisions), width, dtype=torch.bool)
+    for i, (feats, _) in enumerate(decisions):
+        x[i, : len(feats)] = torch.tensor(feats, dtype=torch.float64)
+        valid[i, : len(feats)] = True
+    y = torch.tensor([label for _, label in decisions])
+    w = torch.zeros(len(names), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=500, line_search_fn="strong_wolfe")
+
+    def option_logits() -> torch.Tensor:  # [n, 1 + m]: the top-1, then the candidates
+        u = (x @ w).masked_fill(~valid, float("-inf"))
+        return torch.cat([torch.zeros(len(y), 1, dtype=u.dtype), u], dim=1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(option_logits(), y) + l2 * (w[1:] ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        accuracy = float((option_logits().argmax(1) == y).double().mean())
+    info = {"decisions": len(decisions), "top1_right": float((y == 0).double().mean()), "decision_accuracy": accuracy, "l2": l2}
+    return CopyScorer(tuple(orders), tuple(w.detach().tolist())), info

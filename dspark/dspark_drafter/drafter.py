@@ -24,12 +24,13 @@ With a reduced draft vocabulary (`dspark.dspark_drafter.vocab`) every distributi
 over those tokens only; a sampled chain's q is zero elsewhere, which rejection sampling
 handles exactly.
 
-With a copy prior (`dspark.dspark_drafter.copy_prior`) each Markov step also adds a bonus to
-the tokens that followed the latest earlier occurrences of the path's last n-grams, in the
-committed sequence (`request.state["ngrams"]`) or along the drafted path itself, by the
-n-gram's order and the kind of match (seen once, always continued alike, or not). A copied
-token outside the draft vocabulary gets an extra column scored from its LM-head row, so
-distributions are over the draft vocabulary plus those columns (a sampled chain's q too).
+With a copy rule (`dspark.dspark_drafter.copy_prior`) each Markov step also rescores the
+tokens that followed the latest earlier occurrences of the path's last n-grams, in the
+committed sequence (`request.state["ngrams"]`) or along the drafted path itself: a
+`CopyPrior` adds a bonus by the n-gram's order and the kind of match (seen once, always
+continued alike, or not), a `CopyScorer` sets the logit to l_top1 + u(c), its learned utility.
+A copied token outside the draft vocabulary gets an extra column scored from its LM-head row,
+so distributions are over the draft vocabulary plus those columns (a sampled chain's q too).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from dspark.cpu_matmul import PackedLinear, build_kernels, pack_linear_layers
 from dspark.drafters.base import DraftRequest, DrafterBase, VerifyOutcome
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
+from dspark.dspark_drafter.copy_prior import CopyRule, NgramIndex, StepView
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.dspark_drafter.vocab import DraftVocab
 from dspark.sampling import probs_from_logits
@@ -68,7 +69,7 @@ class DSparkDrafter(DrafterBase):
         seed: int = 0,
         draft_vocab: torch.Tensor | None = None,
         offsets: list[float] | None = None,
-        copy: CopyPrior | None = None,
+        copy: CopyRule | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.packed = self._pack_linears()
@@ -86,10 +87,11 @@ class DSparkDrafter(DrafterBase):
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.copy = copy if copy is not None and copy.active else None
         self._corrections = {c: (a, b) for c, a, b in self.copy.confidence} if self.copy is not None else {}  # match class -> (scale, shift)
-        self._column = None  # token id -> its column in the draft vocabulary (-1 outside)
+        self._column: list[int] | None = None  # token id -> its column in the draft vocabulary (-1 outside)
         if self.copy is not None and self.vocab.token_ids is not None:
-            self._column = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long)
-            self._column[self.vocab.token_ids.cpu()] = torch.arange(self.vocab.size)
+            column = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long)
+            column[self.vocab.token_ids.cpu()] = torch.arange(self.vocab.size)
+            self._column = column.tolist()
 
     def _pack_linears(self) -> bool:
         """Run the drafter's own linears on packed weights under the target's kernel choice
@@ -152,7 +154,9 @@ class DSparkDrafter(DrafterBase):
     def _index_tokens(self, request: DraftRequest) -> None:
         if self.copy is None:
             return
-        index = request.state.setdefault("ngrams", NgramIndex(self.copy.orders))
+        if "ngrams" not in request.state:  # at start: every token but the anchor (the first output) is the prompt
+            request.state["ngrams"] = NgramIndex(self.copy.orders, prompt_len=len(request.token_ids) - 1)
+        index = request.state["ngrams"]
         index.extend(request.token_ids[index.size :])
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
@@ -220,60 +224,89 @@ class DSparkDrafter(DrafterBase):
         k: int,
         prev: torch.Tensor,
         hidden: torch.Tensor | None = None,
-        matches: list[dict[int, int]] | None = None,
+        matches: list[tuple[int, dict]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Markov step at depth k (0-based) for n parents: rows [n] index the batch, prev [n]
         are the parents' tokens -> logits [n, Vd + E], calibrated confidences [n], and the
         tokens of the E extra columns [n, E] (None without any). One call per depth for the
         whole batch: W2 is read once (the step is memory-bound). `matches` (per parent: the
-        copy prior's n-gram matches) and `hidden` [B, G, d] apply the copy prior."""
+        copy rule's match class and candidates) and `hidden` [B, G, d] apply the copy rule."""
         feat = self.model.markov_features(prev)
         logits = base_logits[:, k].index_select(0, rows) + self.vocab.markov_bias(feat)
         z = self.model.conf_logit(conf_h[:, k].index_select(0, rows), feat)
         extra = None
         if matches is not None:
+            raw = z
             if self._corrections:  # the confidence correction of each parent's match class (as `adjust_logits`, in float64)
-                scale, shift = zip(*(self._corrections.get(match_class(m), (1.0, 0.0)) for m in matches))
+                scale, shift = zip(*(self._corrections.get(cls, (1.0, 0.0)) for cls, _ in matches))
                 f64 = dict(dtype=torch.float64, device=z.device)
                 z = (z.double() * torch.tensor(scale, **f64) + torch.tensor(shift, **f64)).to(z.dtype)
-            copies = [candidates_of(m, self.copy) for m in matches]
-            if any(copies):
-                logits, extra = self._add_copies(logits, copies, hidden[rows, k], feat)
+            if any(cands for _, cands in matches):
+                logits, extra = self._add_copies(logits, [cands for _, cands in matches], hidden[rows, k], feat, raw, k)
         temperature, offset = self._step_scales[k]
         conf = torch.sigmoid(z / temperature + offset)
         return logits, conf, extra
 
     def _add_copies(
-        self, logits: torch.Tensor, copies: list[dict[int, float]], h: torch.Tensor, feat: torch.Tensor | None
+        self, logits: torch.Tensor, copies: list[dict], h: torch.Tensor, feat: torch.Tensor | None, z: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bonus to each parent's copied tokens: in place for draft-vocabulary tokens, as extra
-        columns (scored from the full LM-head row plus the Markov bias) for the others."""
+        """Each parent's copy candidates get the logit the copy rule gives them (`rescore`): in
+        place for draft-vocabulary tokens, as extra columns for the others. logits [n, Vd],
+        h [n, d] the parents' hidden states, z [n] their raw confidence logits."""
         logits = logits.clone()
-        inside: list[tuple[int, int, float]] = []
-        outside: list[tuple[int, int, float]] = []
+        entries = [(i, tok) for i, cands in enumerate(copies) for tok in cands]  # (parent, token)
+        cols = [tok if self._column is None else self._column[tok] for _, tok in entries]
+        own = self._own_logits(logits, entries, cols, h, feat)
+        top, top_col = logits.max(-1)
+        top_tok = self._column_tokens(top_col[:, None], None)[:, 0].tolist()
+        lse, top, z = torch.logsumexp(logits, -1).tolist(), top.tolist(), z.float().tolist()
+        per_parent: list[dict[int, tuple[float, bool]]] = [{} for _ in copies]
+        for (i, tok), c, v in zip(entries, cols, own):
+            per_parent[i][tok] = (v, c >= 0)
+        new_inside: list[tuple[int, int, float]] = []
+        new_outside: list[tuple[int, int, float]] = []
         for i, cands in enumerate(copies):
-            for tok, bonus in cands.items():
-                col = tok if self._column is None else int(self._column[tok])
-                (inside if col >= 0 else outside).append((i, col if col >= 0 else tok, bonus))
-        if inside:
-            r, c, b = zip(*inside)
-            logits[list(r), list(c)] += torch.tensor(b, dtype=logits.dtype, device=logits.device)
-        if not outside:
+            if not cands:
+                continue
+            scores = self.copy.rescore(cands, per_parent[i], StepView(k, top_tok[i], top[i], lse[i], z[i]))
+            for tok, v in scores.items():
+                c = tok if self._column is None else self._column[tok]
+                (new_inside if c >= 0 else new_outside).append((i, c if c >= 0 else tok, v))
+        if new_inside:
+            r, c, v = zip(*new_inside)
+            logits[list(r), list(c)] = torch.tensor(v, dtype=logits.dtype, device=logits.device)
+        if not new_outside:
             return logits, None
-        width = max(sum(1 for o in outside if o[0] == i) for i in {o[0] for o in outside})
+        width = max(sum(1 for o in new_outside if o[0] == i) for i in {o[0] for o in new_outside})
         ext = torch.full((logits.shape[0], width), float("-inf"), dtype=logits.dtype, device=logits.device)
         ext_tok = torch.zeros(logits.shape[0], width, dtype=torch.long, device=logits.device)
-        r, t, b = (list(x) for x in zip(*outside))
-        tok = torch.tensor(t, device=logits.device)
-        score = (h[r].to(self.model.lm_head_weight.dtype) * self.model.lm_head_weight[tok]).sum(-1).float()  # U(tok) [m]
-        if feat is not None:
-            score = score + (feat[r].float() * self.model.markov_w2[tok].float()).sum(-1)  # + B(prev, tok)
-        score = score + torch.tensor(b, dtype=score.dtype, device=score.device)
         slot: dict[int, int] = {}
-        for j, i in enumerate(r):
-            ext[i, slot.get(i, 0)], ext_tok[i, slot.get(i, 0)] = score[j], tok[j]
+        for i, tok, v in new_outside:
+            ext[i, slot.get(i, 0)], ext_tok[i, slot.get(i, 0)] = v, tok
             slot[i] = slot.get(i, 0) + 1
         return torch.cat([logits, ext], dim=-1), ext_tok
+
+    def _own_logits(
+        self, logits: torch.Tensor, entries: list[tuple[int, int]], cols: list[int], h: torch.Tensor, feat: torch.Tensor | None
+    ) -> list[float]:
+        """The logit each (parent, token) entry has before copying, which the copy rule starts
+        from: its column's, or for a token outside the draft vocabulary (column -1) its full
+        LM-head row plus the Markov bias."""
+        own = [0.0] * len(entries)
+        inside = [j for j, c in enumerate(cols) if c >= 0]
+        outside = [j for j, c in enumerate(cols) if c < 0]
+        if inside:
+            for j, v in zip(inside, logits[[entries[j][0] for j in inside], [cols[j] for j in inside]].tolist()):
+                own[j] = v
+        if outside:
+            r = [entries[j][0] for j in outside]
+            tok = torch.tensor([entries[j][1] for j in outside], device=logits.device)
+            score = (h[r].to(self.model.lm_head_weight.dtype) * self.model.lm_head_weight[tok]).sum(-1).float()  # U(tok) [m]
+            if feat is not None:
+                score = score + (feat[r].float() * self.model.markov_w2[tok].float()).sum(-1)  # + B(prev, tok)
+            for j, v in zip(outside, score.tolist()):
+                own[j] = v
+        return own
 
     def _column_tokens(self, columns: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """Columns [n, w] of a step's logits -> token ids [n, w] (extra columns: their tokens)."""
@@ -290,10 +323,10 @@ class DSparkDrafter(DrafterBase):
             full = full.index_add(0, extra.to(full.device), q[self.vocab.size :])
         return full
 
-    def _matches(self, request: DraftRequest, path: list[int]) -> dict[int, int]:
-        """The copy prior's n-gram matches after the committed tokens plus a drafted `path`."""
+    def _matches(self, request: DraftRequest, path: list[int]) -> tuple[int, dict]:
+        """The copy rule's (match class, candidates) after the committed tokens plus a drafted `path`."""
         suffix = request.token_ids[-self.copy.span :] + path if self.copy.span else path
-        return request.state["ngrams"].matches(suffix, self.copy, fresh=len(path))
+        return self.copy.lookup(request.state["ngrams"], suffix, fresh=len(path))
 
     def _sampled_chain(self, request: DraftRequest, base_logits: torch.Tensor, conf_h: torch.Tensor, hidden: torch.Tensor, depth: int) -> DraftTree:
         tree = DraftTree()

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.dspark_drafter.copy_prior import CopyPrior, NgramIndex, candidates_of, match_class
+from dspark.dspark_drafter.copy_prior import CopyRule, CopyScorer, NgramIndex, StepView, scorer_features
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.training.cache import Batch, CacheReader, anchors_for, make_batch
@@ -214,7 +214,7 @@ def free_running(
     conf_h: torch.Tensor,
     anchor: torch.Tensor,
     markov: bool = True,
-    copy: CopyPrior | None = None,
+    copy: CopyRule | None = None,
     lookups: list[tuple[NgramIndex, list[int]]] | None = None,
     full_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,10 +222,11 @@ def free_running(
     Returns tokens [B, G], raw confidence logits [B, G] and each step's copy match class
     [B, G] (0: none). markov=False drops the bias (the Markov head switched off at
     inference). With `copy`, each block's n-gram matches (`lookups`: per block its index of
-    the sequence up to the anchor and that sequence's tail) add their bonus to the copied
-    token, scored from `full_logits` (its LM-head row, also outside a reduced vocabulary), as
-    the run-time drafter does. The confidence logits are the head's own: the run-time drafter
-    also applies the prior's correction for each step's match class (`adjust_logits`)."""
+    the sequence up to the anchor and that sequence's tail) rescore the copied tokens
+    (`copy_step`), scored from `full_logits` (their LM-head rows, also outside a reduced
+    vocabulary), as the run-time drafter does. The confidence logits are the head's own: the
+    run-time drafter also applies the rule's correction for each step's match class
+    (`adjust_logits`)."""
     prev, toks, confs, classes = anchor, [], [], []
     use_copy = copy is not None and copy.active and lookups is not None
     suffixes = [list(tail[-copy.span :]) for _, tail in lookups] if use_copy else []  # committed tail + drafted
@@ -236,17 +237,10 @@ def free_running(
         z = model.conf_logit(conf_h[:, k], feat)
         cls = torch.zeros(len(anchor), dtype=torch.long)
         if use_copy:
+            found = [copy.lookup(index, suffix, fresh=k) for (index, _), suffix in zip(lookups, suffixes)]
+            cls = torch.tensor([c for c, _ in found], dtype=torch.long)
             full = (full_logits if full_logits is not None else base_logits)[:, k] + bias
-            rows, cols, bonus = [], [], []
-            for b, ((index, _), suffix) in enumerate(zip(lookups, suffixes)):
-                found = index.matches(suffix, copy, fresh=k)
-                cls[b] = match_class(found)
-                for tok, bo in candidates_of(found, copy).items():
-                    rows.append(b), cols.append(tok), bonus.append(bo)
-            if rows:
-                r, c = torch.tensor(rows), torch.tensor(cols)
-                logits = logits.clone()
-                logits[r, c] = full[r, c] + torch.tensor(bonus, dtype=logits.dtype)
+            logits = copy_step(copy, logits, full, [cands for _, cands in found], z, k)
         confs.append(z)
         classes.append(cls)
         prev = logits.argmax(-1)
@@ -255,6 +249,74 @@ def free_running(
             for suffix, x in zip(suffixes, prev.tolist()):
                 suffix.append(x)
     return torch.stack(toks, 1), torch.stack(confs, 1), torch.stack(classes, 1)
+
+
+def _step_inputs(logits: torch.Tensor, full: torch.Tensor, copies: list[dict], z: torch.Tensor, k: int):
+    """Per block: each candidate's (logit, in the draft vocabulary) and the step's `StepView`."""
+    entries = [(b, t) for b, cands in enumerate(copies) for t in cands]
+    own: list[dict[int, tuple[float, bool]]] = [{} for _ in copies]
+    if entries:
+        r, c = (list(x) for x in zip(*entries))
+        for (b, t), v, inside in zip(entries, full[r, c].tolist(), (logits[r, c] > float("-inf")).tolist()):
+            own[b][t] = (v, inside)
+    top, top_tok = logits.max(-1)
+    views = [StepView(k, t, v, s, q) for t, v, s, q in zip(top_tok.tolist(), top.tolist(), torch.logsumexp(logits, -1).tolist(), z.float().tolist())]
+    return own, views
+
+
+def copy_step(copy: CopyRule, logits: torch.Tensor, full: torch.Tensor, copies: list[dict], z: torch.Tensor, k: int) -> torch.Tensor:
+    """One Markov step's copying for B blocks: logits [B, V] (-inf outside the draft
+    vocabulary), full [B, V] (every token's LM-head logit plus the Markov bias), per block the
+    rule's candidates, raw confidence logits z [B] -> the logits with each candidate rescored."""
+    if not any(copies):
+        return logits
+    own, views = _step_inputs(logits, full, copies, z, k)
+    new = [(b, t, v) for b, cands in enumerate(copies) if cands for t, v in copy.rescore(cands, own[b], views[b]).items()]
+    if not new:
+        return logits
+    r, c, v = zip(*new)
+    logits = logits.clone()
+    logits[list(r), list(c)] = torch.tensor(v, dtype=logits.dtype)
+    return logits
+
+
+def copy_decisions(
+    model: DSparkModel,
+    base_logits: torch.Tensor,
+    conf_h: torch.Tensor,
+    anchor: torch.Tensor,
+    scorer: CopyScorer,
+    lookups: list[tuple[NgramIndex, list[int]]],
+    full_logits: torch.Tensor,
+    targets: torch.Tensor,
+) -> list[tuple[list[list[float]], int]]:
+    """The copy decisions along the target's own path (teacher forced: step k follows the
+    target's tokens before it) for `fit_copy_scorer`: at each step with candidates other than
+    the drafter's top-1, their features and which option the target's token is (0: the top-1,
+    i: candidate i); steps where it is neither are left out. Shapes as `free_running`;
+    targets [B, G] the target's greedy tokens."""
+    out: list[tuple[list[list[float]], int]] = []
+    prev = anchor
+    suffixes = [list(tail[-scorer.span :]) for _, tail in lookups]
+    for k in range(base_logits.shape[1]):
+        feat = model.markov_features(prev)
+        bias = model.markov_bias(feat)
+        logits = base_logits[:, k] + bias
+        z = model.conf_logit(conf_h[:, k], feat)
+        found = [scorer.lookup(index, suffix, fresh=k) for (index, _), suffix in zip(lookups, suffixes)]
+        copies = [cands for _, cands in found]
+        own, views = _step_inputs(logits, full_logits[:, k] + bias, copies, z, k)
+        for b, cands in enumerate(copies):
+            options = [t for t in cands if t != views[b].top1]
+            truth = int(targets[b, k])
+            if not options or (truth != views[b].top1 and truth not in options):
+                continue
+            label = 0 if truth == views[b].top1 else 1 + options.index(truth)
+            out.append(([scorer.features(cands[t], *own[b][t], views[b]) for t in options], label))
+        prev = targets[:, k]
+        for suffix, x in zip(suffixes, prev.tolist()):
+            suffix.append(x)
+    return out
 
 
 def _eval_items(reader: CacheReader, rows: list[int], gamma: int, stride: int, max_blocks: int | None) -> list[tuple[int, int]]:
@@ -285,8 +347,58 @@ def _lookups(pool: ShardPool, chunk: list[tuple[int, int]], orders: tuple[int, .
     out = []
     for r, anchors in group_by_row(chunk):
         toks = pool.row(r)["tokens"].tolist()
+        prompt_len = pool.reader.rows[r].answer_start
         for a in anchors:
-            out.append((NgramIndex(orders, toks[: a + 1]), toks[: a + 1]))
+            out.append((NgramIndex(orders, toks[: a + 1], prompt_len=prompt_len), toks[: a + 1]))
+    return out
+
+
+def _blocks(model: DSparkModel, reader: CacheReader, items: list[tuple[int, int]], batch_size: int, autocast: bool, draft_vocab: torch.Tensor | None):
+    """Batches of (row, anchor) blocks through the drafter's block forward: yields the shard
+    pool, the chunk, its Batch, the forward's output, the base logits [B, G, V] over every
+    token and masked to the draft vocabulary (-inf outside), and the target's logits."""
+    g, n = model.cfg.gamma, model.cfg.context_len
+    pool = ShardPool(reader, 2)
+    forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
+    if draft_vocab is not None:
+        forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
+        forbid[draft_vocab] = 0.0
+    for i in range(0, len(items), batch_size):
+        chunk = items[i : i + batch_size]
+        batch = load_batch(pool, chunk, g, n)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ctx = model.project_context(batch.ctx_feats)
+            out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
+        full = out.base_logits.float()  # [B, G, V]
+        masked = full if forbid is None else full + forbid
+        yield pool, chunk, batch, out, full, masked, target_logits(model, batch.final)
+
+
+@torch.no_grad()
+def collect_copy_decisions(
+    model: DSparkModel,
+    reader: CacheReader,
+    rows: list[int],
+    orders: tuple[int, ...],
+    draft_vocab: torch.Tensor | None = None,
+    batch_size: int = 64,
+) -> list[tuple[list[list[float]], int]]:
+    """`copy_decisions` over every full block of `rows` (stride 1): what `fit_copy_scorer` fits.
+    Shows a progress bar on a terminal."""
+    from tqdm.auto import tqdm
+
+    scorer = CopyScorer(orders, (0.0,) * len(scorer_features(tuple(sorted(orders)))))
+    items = _eval_items(reader, rows, model.cfg.gamma, 1, None)
+    was_training = model.training
+    model.eval()
+    out: list[tuple[list[list[float]], int]] = []
+    bar = tqdm(total=len(items), desc="copy decisions", unit="block", disable=None, mininterval=5)
+    for pool, chunk, batch, fwd, full, masked, target in _blocks(model, reader, items, batch_size, False, draft_vocab):
+        lookups = _lookups(pool, chunk, scorer.orders)
+        out += copy_decisions(model, masked, fwd.conf_h, batch.tokens[:, 0], scorer, lookups, full, target.argmax(-1))
+        bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
     return out
 
 
@@ -301,7 +413,7 @@ def evaluate(
     autocast: bool = False,
     markov: bool = True,
     draft_vocab: torch.Tensor | None = None,
-    copy: CopyPrior | None = None,
+    copy: CopyRule | None = None,
 ) -> EvalResult:
     """Offline greedy evaluation on full blocks with deterministic anchors (every `stride`):
     the drafter's free-running chain against the target's argmax from the cache. With
@@ -316,7 +428,7 @@ def evaluate_copy_priors(
     model: DSparkModel,
     reader: CacheReader,
     rows: list[int],
-    priors: list[CopyPrior | None],
+    priors: list[CopyRule | None],
     stride: int = 4,
     max_blocks: int | None = None,
     batch_size: int = 64,
@@ -326,29 +438,16 @@ def evaluate_copy_priors(
 ) -> list[EvalResult]:
     """`evaluate` for several copy priors at once: the drafter's forward runs once per block,
     only the greedy walk per prior (what makes fitting the bonuses on a grid affordable)."""
-    g, n = model.cfg.gamma, model.cfg.context_len
+    g = model.cfg.gamma
     items = _eval_items(reader, rows, g, stride, max_blocks)
-    pool = ShardPool(reader, 2)
     was_training = model.training
     model.eval()
     acc = [[] for _ in priors]
     conf = [[] for _ in priors]
     cls = [[] for _ in priors]
     l1s, doms, where, targets, seen = [], [], [], [], []
-    forbid = None  # [V]: 0 inside the draft vocabulary, -inf outside
-    if draft_vocab is not None:
-        forbid = torch.full((model.cfg.vocab_size,), float("-inf"))
-        forbid[draft_vocab] = 0.0
     orders = tuple(sorted({o for p in priors if p is not None for o in p.orders}))
-    for i in range(0, len(items), batch_size):
-        chunk = items[i : i + batch_size]
-        batch = load_batch(pool, chunk, g, n)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            ctx = model.project_context(batch.ctx_feats)
-            out = model.forward_block(ctx, batch.ctx_valid, batch.tokens[:, 0], None, batch.ctx_index, batch.block_pos)
-        full = out.base_logits.float()  # [B, G, V]
-        masked = full if forbid is None else full + forbid
-        target = target_logits(model, batch.final)
+    for pool, chunk, batch, out, full, masked, target in _blocks(model, reader, items, batch_size, autocast, draft_vocab):
         greedy = target.argmax(-1).numpy()  # [B, G]
         targets.append(greedy)
         at = 0
