@@ -16,7 +16,7 @@ from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.drafters.union import UnionDrafter
 from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
-from dspark.dspark_drafter.copy_prior import CopyPrior
+from dspark.dspark_drafter.copy_prior import CopyPrior, CopyRule, CopyScorer, scorer_features
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
 from dspark.sampling import SamplingParams, probs_from_logits
@@ -159,7 +159,7 @@ def small_vocab_target():
     return small_vocab_target_on("cpu")
 
 
-def reduced_vocab_dspark_drafter(target, copy: CopyPrior | None = None) -> DSparkDrafter:
+def reduced_vocab_dspark_drafter(target, copy: CopyRule | None = None) -> DSparkDrafter:
     """A random-weight DSpark drafter that may only propose 4 of the 8 tokens: its q is zero on
     the other 4, which the target still produces (through the residual distribution). With a
     copy prior it also proposes what followed earlier occurrences, outside those 4 too."""
@@ -171,7 +171,15 @@ def reduced_vocab_dspark_drafter(target, copy: CopyPrior | None = None) -> DSpar
     return DSparkDrafter(model.to(target.device), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]), copy=copy)
 
 
-DRAFTER_KINDS = ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark-copy-prior", "dspark+ngram"]
+DRAFTER_KINDS = ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark-copy-prior", "dspark-copy-scorer", "dspark+ngram"]
+
+
+def copy_scorer() -> CopyScorer:
+    """A learned copy rule with hand-set weights that makes copying likely but not certain:
+    copied tokens get logits near the drafter's top-1, so q mixes both."""
+    names = scorer_features((2, 3))
+    weights = {"bias": 1.0, "gap": -2.0, "3c": 1.0, "agree": 0.5, "confidence": 0.3}
+    return CopyScorer((2, 3), tuple(weights.get(n, 0.0) for n in names))
 
 
 @pytest.mark.parametrize("drafter_kind", DRAFTER_KINDS)
@@ -192,6 +200,8 @@ def check_engine_sampling(target, drafter_kind: str) -> None:
     elif drafter_kind == "dspark-copy-prior":  # (1, 2) -> 3 inside the vocabulary, (2, 3) -> 1 outside
         # 2 -> 3 and 3 -> 1 are consistent bigram matches: their kind has a bonus of its own
         drafter = reduced_vocab_dspark_drafter(target, CopyPrior(((2, 1.0), (3, 2.0)), kind_bonuses=((2, "c", 3.0),)))
+    elif drafter_kind == "dspark-copy-scorer":  # the same matches, rescored by a learned rule
+        drafter = reduced_vocab_dspark_drafter(target, copy_scorer())
     elif drafter_kind == "dspark+ngram":  # a sampled chain and n-gram point masses as siblings
         drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
     else:
