@@ -141,7 +141,7 @@ def test_embedded_smollm2_fp32(embedded_fp32, sched):
 @pytest.mark.embedded
 @pytest.mark.parametrize("drafter", ["dspark", "dspark+ngram"])
 def test_embedded_smollm2_fp32_with_the_shipped_drafter(embedded_fp32, drafter):
-    """The shipped DSpark drafter (reduced vocabulary, copy prior) with the dspark scheduler:
+    """The shipped DSpark drafter (reduced vocabulary, learned copy decision) with the dspark scheduler:
     identical to transformers greedy, on prompts whose answers repeat the prompt's words."""
     prompts = [
         "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
