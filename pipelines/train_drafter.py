@@ -185,9 +185,12 @@ def stage_train(
             ck = warm_start(model, init_from, target)
             state_dir(cfg, work).mkdir(parents=True, exist_ok=True)
             if tcfg.reduced_vocab and ck.draft_vocab is not None and read_draft_vocab(state_dir(cfg, work), target.vocab_size) is None:
-                # its weights were trained over that vocabulary: keep it (see run_vocabulary)
-                save_draft_vocab(state_dir(cfg, work), ck.draft_vocab)
-                log(f"train: over the draft vocabulary of {init_from} ({len(ck.draft_vocab)} tokens)")
+                # its weights were trained over that vocabulary: keep it (see run_vocabulary),
+                # widened with the next most frequent tokens when `draft_vocab` asks for more
+                ids = warm_start_vocabulary(cfg, ck.draft_vocab, work)
+                save_draft_vocab(state_dir(cfg, work), ids)
+                grown = f", grown to {len(ids)} with the next most frequent train-answer tokens" if len(ids) > len(ck.draft_vocab) else ""
+                log(f"train: over the draft vocabulary of {init_from} ({len(ck.draft_vocab)} tokens{grown})")
             before = {k: (ck.extra.get("training") or {}).get(k) for k in ("steps", "wall_s", "cpu_hours", "train_sequences")}
             # the calibrate stage copies this into the card: the cost of a warm start includes its source's
             (state_dir(cfg, work) / "init_from.json").write_text(json.dumps({"checkpoint": str(init_from), **before}, indent=1))
@@ -230,6 +233,23 @@ def run_vocabulary(cfg: dict, target, work: Path, log: Logger):
     else:
         log(f"train: over the run's reduced draft vocabulary ({len(ids)} tokens)")
     return ids
+
+
+def warm_start_vocabulary(cfg: dict, trained, work: Path):
+    """The draft vocabulary of a run warm-started from a drafter trained over `trained`: that
+    one, or, when `draft_vocab: N` asks for more tokens, grown to N with the tokens the target
+    emitted most often in its train answers (W2's new rows start at zero, so the drafter starts
+    as the same function over the old tokens). A vocabulary never shrinks this way."""
+    from dspark.dspark_drafter.vocab import grow_vocab
+    from dspark.training.record import answer_tokens
+
+    size = int(cfg.get("draft_vocab") or 0)
+    if size <= len(trained):
+        return trained
+    answers = work / "cache" / "train" / "answers.jsonl"
+    if not answers.is_file():
+        raise SystemExit(f"growing the draft vocabulary needs the train answers ({answers}): run the generate stage first")
+    return grow_vocab(trained, answer_tokens(answers), size)
 
 
 def _init_from(cfg: dict, work: Path) -> dict | None:

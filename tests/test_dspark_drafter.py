@@ -26,7 +26,7 @@ from dspark.dspark_drafter.calibration import ece, roc_auc, sequential_temperatu
 from dspark.dspark_drafter.copy_prior import CopyPrior, CopyScorer, NgramIndex, adjust_logits, scorer_features
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
 from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
-from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
+from dspark.dspark_drafter.vocab import frequent_tokens, grow_vocab, save_draft_vocab
 from dspark.sampling import SamplingParams
 from dspark.training.tiny import tiny_target
 from dspark.tree import DraftTree
@@ -596,6 +596,15 @@ def test_frequent_tokens_ranks_by_count_then_id_and_keeps_always():
     assert frequent_tokens(seqs, 1, always=[0]).tolist() == [0, 5]
     with pytest.raises(ValueError):
         frequent_tokens(seqs, 0)
+
+
+def test_grow_vocab_keeps_the_trained_tokens_and_adds_the_most_frequent_others():
+    seqs = [[5, 5, 5, 9, 9, 2], [9, 7, 7, 3]]
+    kept = torch.tensor([0, 2])
+    assert grow_vocab(kept, seqs, 4).tolist() == [0, 2, 5, 9]  # 5 x3, 9 x3; 2 is already in
+    assert grow_vocab(kept, seqs, 5).tolist() == [0, 2, 5, 7, 9]
+    assert grow_vocab(kept, seqs, 1).tolist() == [0, 2]  # never shrinks
+    assert grow_vocab(kept, seqs, 50).tolist() == [0, 2, 3, 5, 7, 9]  # as many as there are
 
 
 def masked_greedy_chain(model, ctx, valid, anchor, subset, depth):

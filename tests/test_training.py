@@ -357,6 +357,19 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
     assert read_draft_vocab(work / "runs" / "reduced", target.vocab_size).tolist() == ids.tolist()
 
+    # ... unless `draft_vocab` asks for more: then it grows by the next most frequent answer tokens
+    from collections import Counter
+
+    from dspark.training.record import answer_tokens
+
+    counts = Counter(t for a in answer_tokens(work / "cache" / "train" / "answers.jsonl") for t in a if t not in ids.tolist())
+    next_four = sorted(counts, key=lambda t: (-counts[t], t))[:4]
+    cfg["draft_vocab"], cfg["run"] = 10, "grown"
+    stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
+    grown = read_draft_vocab(work / "runs" / "grown", target.vocab_size).tolist()
+    assert grown == sorted(ids.tolist() + next_four)
+    assert any("grown to 10" in line for line in lines)
+
 
 def test_a_reduced_vocabulary_run_keeps_its_vocabulary_through_calibration(cache_dir, target, tmp_path):
     """`train.reduced_vocab`: the run trains over the draft vocabulary chosen when it starts;
