@@ -192,6 +192,19 @@ def test_confidence_fit_recovers_a_known_logistic_per_class():
     assert fit_confidence(z[:10], accepted[:10], classes[:10]) == {}  # too few steps: identity
 
 
+def test_confidence_fit_never_turns_the_head_upside_down():
+    """A class accepted less often the more confident the head is gets scale 0 and its base
+    rate: the calibrated confidence must not rank steps against the head's own order."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(0, 2, (20000, 2))
+    accepted = (rng.random(z.shape) < 1 / (1 + np.exp(0.3 * z - 1.5))).astype(float)  # true scale -0.3
+    classes = np.full(z.shape, 6)
+    reached = np.concatenate([np.ones((len(z), 1)), accepted[:, :1]], axis=1) > 0
+    rate = accepted[reached].mean()
+    scale, shift = fit_confidence(z, accepted, classes)[6]
+    assert scale == 0.0 and shift == pytest.approx(np.log(rate / (1 - rate)), abs=5e-3)  # up to the tiny ridge
+
+
 # ---------------------------------------------------------------- the learned copy decision
 
 ORDERS = (2, 3, 5)

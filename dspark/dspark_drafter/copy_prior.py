@@ -281,8 +281,11 @@ def adjust_logits(prior: CopyRule, z: np.ndarray, classes: np.ndarray) -> np.nda
 def fit_confidence(z: np.ndarray, accepted: np.ndarray, classes: np.ndarray, min_steps: int = 50) -> dict[int, tuple[float, float]]:
     """Per match class, (scale, shift) maximising the likelihood of acceptance given
     sigmoid(scale * z + shift) on the steps a chain reached (every earlier position accepted):
-    logistic regression on one feature (Newton steps). Classes with fewer than `min_steps`
-    steps keep the identity. z, accepted, classes: [n, G]."""
+    logistic regression on one feature (Newton steps). The scale is kept >= 0: a more
+    confident head never means a less likely acceptance, so where the head says nothing
+    useful about a class (long copies are accepted almost regardless of it) the class gets
+    its base rate (scale 0). Classes with fewer than `min_steps` steps keep the identity.
+    z, accepted, classes: [n, G]."""
     reached = np.concatenate([np.ones((len(accepted), 1)), np.cumprod(accepted, axis=1)[:, :-1]], axis=1) > 0
     out: dict[int, tuple[float, float]] = {}
     for c in sorted(set(np.unique(classes[reached]).tolist())):
@@ -290,26 +293,33 @@ def fit_confidence(z: np.ndarray, accepted: np.ndarray, classes: np.ndarray, min
         if sel.sum() < min_steps:
             continue
         x, y = z[sel].astype(np.float64), accepted[sel].astype(np.float64)
-        design = np.stack([x, np.ones_like(x)], axis=1)  # [m, 2]
-
-        def objective(w: np.ndarray) -> float:  # mean log-likelihood minus a tiny ridge (separable classes stay finite)
-            t = design @ w
-            return float(np.mean(y * t - np.logaddexp(0.0, t)) - 1e-4 * w @ w)
-
-        w = np.array([1.0, 0.0])
-        for _ in range(100):
-            p = 1.0 / (1.0 + np.exp(-np.clip(design @ w, -60, 60)))
-            grad = design.T @ (y - p) / len(y) - 2e-4 * w
-            hess = (design * (p * (1 - p))[:, None]).T @ design / len(y) + 2e-4 * np.eye(2)
-            step = np.linalg.solve(hess, grad)
-            t, before = 1.0, objective(w)
-            while objective(w + t * step) < before and t > 1e-6:  # damped Newton: never step downhill
-                t /= 2
-            w = w + t * step
-            if np.abs(t * step).max() < 1e-9:
-                break
-        out[int(c)] = (float(w[0]), float(w[1]))
+        scale, shift = _logistic_fit(np.stack([x, np.ones_like(x)], axis=1), y, np.array([1.0, 0.0]))
+        if scale < 0:  # the likelihood is concave: the best scale >= 0 is then 0
+            scale, (shift,) = 0.0, _logistic_fit(np.ones((len(y), 1)), y, np.zeros(1))
+        out[int(c)] = (float(scale), float(shift))
     return out
+
+
+def _logistic_fit(design: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weights maximising mean log-likelihood of y ~ Bernoulli(sigmoid(design @ w)) minus a
+    tiny ridge (separable classes stay finite): damped Newton from `w`. design [m, p]."""
+    def objective(w: np.ndarray) -> float:
+        t = design @ w
+        return float(np.mean(y * t - np.logaddexp(0.0, t)) - 1e-4 * w @ w)
+
+    eye = np.eye(design.shape[1])
+    for _ in range(100):
+        p = 1.0 / (1.0 + np.exp(-np.clip(design @ w, -60, 60)))
+        grad = design.T @ (y - p) / len(y) - 2e-4 * w
+        hess = (design * (p * (1 - p))[:, None]).T @ design / len(y) + 2e-4 * eye
+        step = np.linalg.solve(hess, grad)
+        t, before = 1.0, objective(w)
+        while objective(w + t * step) < before and t > 1e-6:  # never step downhill
+            t /= 2
+        w = w + t * step
+        if np.abs(t * step).max() < 1e-9:
+            break
+    return w
 
 
 def fit_bonuses(
