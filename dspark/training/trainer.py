@@ -208,6 +208,15 @@ class EvalResult:
                           pick(self.anchors), pick(self.targets), pick(self.seen))
 
 
+def markov_step(model: DSparkModel, base: torch.Tensor, conf_h: torch.Tensor, prev: torch.Tensor, markov: bool = True):
+    """One step of the chain before copying: base logits [B, V] of block position k plus the
+    Markov bias of the previous token prev [B] -> (logits [B, V], bias [B, V] or 0, raw
+    confidence logits [B]). markov=False: no bias (the head switched off at inference)."""
+    feat = model.markov_features(prev) if markov else None
+    bias = model.markov_bias(feat)
+    return base + bias, bias, model.conf_logit(conf_h, feat)
+
+
 def free_running(
     model: DSparkModel,
     base_logits: torch.Tensor,
@@ -231,10 +240,7 @@ def free_running(
     use_copy = copy is not None and copy.active and lookups is not None
     suffixes = [list(tail[-copy.span :]) for _, tail in lookups] if use_copy else []  # committed tail + drafted
     for k in range(base_logits.shape[1]):
-        feat = model.markov_features(prev) if markov else None
-        bias = model.markov_bias(feat)
-        logits = base_logits[:, k] + bias
-        z = model.conf_logit(conf_h[:, k], feat)
+        logits, bias, z = markov_step(model, base_logits[:, k], conf_h[:, k], prev, markov)
         cls = torch.zeros(len(anchor), dtype=torch.long)
         if use_copy:
             found = [copy.lookup(index, suffix, fresh=k) for (index, _), suffix in zip(lookups, suffixes)]
@@ -299,10 +305,7 @@ def copy_decisions(
     prev = anchor
     suffixes = [list(tail[-scorer.span :]) for _, tail in lookups]
     for k in range(base_logits.shape[1]):
-        feat = model.markov_features(prev)
-        bias = model.markov_bias(feat)
-        logits = base_logits[:, k] + bias
-        z = model.conf_logit(conf_h[:, k], feat)
+        logits, bias, z = markov_step(model, base_logits[:, k], conf_h[:, k], prev)
         found = [scorer.lookup(index, suffix, fresh=k) for (index, _), suffix in zip(lookups, suffixes)]
         copies = [cands for _, cands in found]
         own, views = _step_inputs(logits, full_logits[:, k] + bias, copies, z, k)
