@@ -31,22 +31,25 @@ def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Itera
     (e.g. EOS), sorted ascending -> int64 [<= size + len(always)]."""
     if size < 1:
         raise ValueError("draft vocabulary size must be >= 1")
-    counts = Counter(t for seq in sequences for t in seq)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
-    ids = {t for t, _ in ranked} | {int(t) for t in always}
+    ids = set(_by_count(Counter(t for seq in sequences for t in seq))[:size]) | {int(t) for t in always}
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def grow_vocab(kept: torch.Tensor, sequences: Iterable[Sequence[int]], size: int) -> torch.Tensor:
     """`kept` (a trained drafter's vocabulary) plus the most frequent other ids in `sequences`
-    (ties: lower id first) until there are `size`, sorted ascending -> int64 [max(size, len(kept))].
+    (ties: lower id first) until there are `size` (or no others are left), sorted ascending
+    -> int64 [<= max(size, len(kept))].
 
     A warm start that widens the vocabulary keeps every token the drafter already proposes,
     so the drafter starts as the same function over them and only learns the new ones."""
     have = {int(t) for t in kept.tolist()}
-    counts = Counter(t for seq in sequences for t in seq if t not in have)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: max(0, size - len(have))]
-    return torch.tensor(sorted(have | {t for t, _ in ranked}), dtype=torch.long)
+    added = _by_count(Counter(t for seq in sequences for t in seq if t not in have))[: max(0, size - len(have))]
+    return torch.tensor(sorted(have | set(added)), dtype=torch.long)
+
+
+def _by_count(counts: Counter) -> list[int]:
+    """Ids most frequent first, ties broken by the lower id."""
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor) -> Path:
