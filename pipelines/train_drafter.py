@@ -197,6 +197,8 @@ def stage_train(
             log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")
     n_train = len(rd.rows)
     log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M trainable params")
+    if tcfg.domain_weights:
+        log(f"train: answers walked per epoch by domain {tcfg.domain_weights} (others 1)")
     # held-out tau and a same-size slice of train rows (to watch over-fitting)
     evals = {}
     if "eval" in readers:

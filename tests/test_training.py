@@ -4,6 +4,7 @@ training, and a tiny train-then-generate run that must stay lossless."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from dspark.training.data import Prompt, load_prompts, plan_generation, read_jso
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
-from dspark.training.trainer import TrainConfig, evaluate, train
+from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, evaluate, train
 
 LAYERS = (1, 3)
 
@@ -152,6 +153,36 @@ def test_anchors_and_batch_layout(cache_dir):
     for i, anchor in enumerate([anchors[0], a]):
         seen = torch.nonzero(b.ctx_valid[i]).flatten() + lo
         assert seen.tolist() == list(range(max(0, anchor - 6), anchor))
+
+
+def test_domain_weights_set_how_often_an_epoch_walks_each_domain(cache_dir):
+    rd = CacheReader(cache_dir)
+    rows = list(range(len(rd.rows)))
+    base = TrainConfig(batch_size=8, anchor_stride=2)
+
+    def blocks(weights: dict) -> Counter:
+        plan = epoch_plan(rd, rows, 4, TrainConfig(**{**base.__dict__, "domain_weights": weights}), epoch=0)
+        return Counter(rd.rows[r].domain for batch in plan for r, _ in batch)
+
+    assert epoch_plan(rd, rows, 4, base, 0) == epoch_plan(rd, rows, 4, TrainConfig(**{**base.__dict__, "domain_weights": {"chat": 1.0}}), 0)
+    usual = blocks({})
+    usual_per_row = Counter(r for batch in epoch_plan(rd, rows, 4, base, 0) for r, _ in batch)
+    twice = blocks({"chat": 2.0, "math": 0.0})
+    assert twice["math"] == 0
+    # each of the two walks of an answer takes its own anchor phase: 2x the blocks, +-1 per walk
+    n_chat = sum(r.domain == "chat" for r in rd.rows)
+    assert abs(twice["chat"] - 2 * usual["chat"]) <= 2 * n_chat
+    # weight 0.5: each math answer walked whole or not at all, about half of them (seeded)
+    plan = epoch_plan(rd, rows, 4, TrainConfig(**{**base.__dict__, "domain_weights": {"math": 0.5}}), 0)
+    walked = {r for batch in plan for r, _ in batch if rd.rows[r].domain == "math"}
+    n_math = sum(r.domain == "math" for r in rd.rows)
+    assert 0 < len(walked) < n_math
+    per_row = Counter(r for batch in plan for r, _ in batch)
+    assert all(abs(per_row[r] - usual_per_row[r]) <= 1 for r in walked)
+    with pytest.raises(ValueError, match="not a domain"):
+        check_domain_weights({"maths": 2.0}, {r.domain for r in rd.rows})
+    with pytest.raises(ValueError, match=">= 0"):
+        check_domain_weights({"math": -1.0}, {"math"})
 
 
 def drafter_with_live_heads(target):
