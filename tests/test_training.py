@@ -19,7 +19,7 @@ from dspark.training.data import Prompt, load_prompts, plan_generation, read_jso
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
-from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, evaluate, train
+from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, evaluate, monitor_tau, spread, train
 
 LAYERS = (1, 3)
 
@@ -233,6 +233,22 @@ def test_training_is_deterministic_and_resumes_exactly(cache_dir, target, tmp_pa
     assert counters["step"] == 6
     for k, v in a.state_dict().items():
         torch.testing.assert_close(b2.state_dict()[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_the_held_out_monitor_can_walk_answers_round_by_round(cache_dir, target, tmp_path):
+    rd = CacheReader(cache_dir)
+    rows = list(range(len(rd.rows)))
+    cfg = TrainConfig(steps=2, batch_size=8, warmup=1, eval_every=2, autocast_bf16=False, eval_answers=3)
+    torch.manual_seed(0)
+    model = build_model(drafter_cfg(target), target.model)
+    counters = train(model, rd, rows, cfg, tmp_path / "s", {"eval": (rd, rows)}, progress=False, log=lambda m: None)
+    rec = counters["history"][-1]
+    assert spread(list(range(10, 20)), 4) == [10, 13, 16, 19] and spread(rows, 99) == rows
+    picked = spread(rows, 3)
+    walked = evaluate(model, rd, picked, stride=1).decoded_tau()
+    assert rec["tau_kind"] == "per round" and rec["tau_eval"] == pytest.approx(walked)
+    # the per-anchor average (the default monitor) is a different figure over other blocks
+    assert monitor_tau(model, rd, rows, TrainConfig(eval_stride=1, eval_max_blocks=None), None) == pytest.approx(evaluate(model, rd, rows, stride=1).tau())
 
 
 def test_tiny_train_then_generate_is_lossless(cache_dir, target, tmp_path):
