@@ -1,15 +1,17 @@
 # Dataflow worker image for `python -m pipelines.generate --runner DataflowRunner`.
 #
-#   docker build -t REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0-py3.11 \
+#   docker build -t REGION-docker.pkg.dev/PROJECT/dspark/worker:2.78.0-py3.11 \
 #       --build-arg BEAM_VERSION=$(python -c 'import apache_beam; print(apache_beam.__version__)') \
 #       --build-arg PYTHON_VERSION=$(python -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') .
-#   docker push REGION-docker.pkg.dev/PROJECT/dspark/worker:2.77.0-py3.11
+#   docker push REGION-docker.pkg.dev/PROJECT/dspark/worker:2.78.0-py3.11
 #
 # BEAM_VERSION and PYTHON_VERSION must equal the launcher's (Dataflow refuses or misbehaves
-# otherwise). The Beam SDK's boot entrypoint comes from the official SDK image of that version;
+# otherwise): always pass both, as above. The defaults are only the Beam release the test suite
+# last ran on and the project's baseline Python; install.sh refuses an image whose Beam differs
+# from BEAM_VERSION. The Beam SDK's boot entrypoint comes from the official SDK image of that version;
 # CUDA user-space libraries come with the PyPI torch wheel; the GPU driver is installed on the
 # VM by Dataflow (install-nvidia-driver in worker_accelerator).
-ARG BEAM_VERSION=2.77.0
+ARG BEAM_VERSION=2.78.0
 ARG PYTHON_VERSION=3.11
 
 FROM apache/beam_python${PYTHON_VERSION}_sdk:${BEAM_VERSION} AS beam_sdk

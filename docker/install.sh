@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install DSpark into a Dataflow worker image (run by the Dockerfile; testable outside Docker).
 #
-#   docker/install.sh --beam-version 2.77.0 [--torch-version 2.13.0] [--torch-index URL]
+#   docker/install.sh --beam-version 2.78.0 [--torch-version 2.13.0] [--torch-index URL]
 #                     [--warm-embedded] [--dry-run | --verify-only] [PROJECT_DIR]
 #
 # 1. apache-beam[gcp] pinned to the launcher's version (the SDK in the image must equal it),
