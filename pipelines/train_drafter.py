@@ -162,6 +162,14 @@ def _readers(work: Path):
     return out
 
 
+def answers_by_domain(reader) -> dict[str, int]:
+    """How many answers a cache split holds, per domain and in all (`all`)."""
+    counts: dict[str, int] = {}
+    for row in reader.rows:
+        counts[row.domain] = counts.get(row.domain, 0) + 1
+    return {"all": len(reader.rows), **dict(sorted(counts.items()))}
+
+
 def stage_train(
     cfg: dict, target, work: Path, log: Logger, deadline: float | None, progress: bool, init_from: str | Path | None = None
 ) -> None:
@@ -334,6 +342,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
         walk = stride == 1 and max_blocks is None  # tau per round needs every anchor
         er = evaluate(model, readers["eval"], eval_rows, stride, max_blocks, draft_vocab=vocab, copy=copy)
         extra["eval_tau_kind"] = "per round" if walk else "per anchor"
+        extra["eval_answers"] = answers_by_domain(readers["eval"])  # what the figures below rest on
         extra["eval_tau_greedy"] = er.tau_by_domain(decoded=walk)
         log(f"eval tau {extra['eval_tau_kind']} (greedy, gamma {model.cfg.gamma}): {json.dumps({k: round(v, 3) for k, v in extra['eval_tau_greedy'].items()})}")
         if copy is not None:
