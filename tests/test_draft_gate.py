@@ -74,9 +74,31 @@ def test_a_probe_is_judged_on_the_text_after_the_pause():
 def test_plain_rounds_set_the_yardstick_and_batch_size_is_normalised_away():
     table = CostTable((1, 8), (0.010, 0.024))
     gate = DraftGate(table.latency, alpha=1.0)
+    gate.record(rows=8, seconds=0.240, emitted=8, drafted=False, propose_s=0.0)  # the first: warm-up, left out
+    assert gate.plain == 1.0
     gate.record(rows=8, seconds=0.048, emitted=8, drafted=False, propose_s=0.0)  # plain rounds run 2x the table
     gate.record(rows=8, seconds=0.072, emitted=8 * 2, drafted=True, propose_s=0.010)  # 1.5x plain time, 2x tokens
     assert gate.expected_speedup() == pytest.approx(2.0 * 2.0 / 3.0)
+
+
+def test_one_slow_plain_round_does_not_make_every_draft_look_cheap():
+    """Plain rounds come only from pauses, and the first pays one-off costs (2.4x the table at
+    16 rows, session 41). As the yardstick it made a losing drafter look like a 2x win, so
+    drafting was never paused again and nothing corrected it. The first is left out, later ones
+    move the table's word, and the losing drafter is paused."""
+    gate = DraftGate(FLAT.latency)
+    gate.record(rows=16, seconds=0.040, emitted=16 * 2, drafted=True, propose_s=0.005)  # cold, 4x: pause
+    assert not gate.should_draft()
+    gate.record(rows=16, seconds=0.024, emitted=16, drafted=False, propose_s=0.0)  # a cold plain round
+    assert gate.plain == 1.0  # the table's word still
+    decisions = []
+    for _ in range(40):  # warm: drafting rounds 2.6x a plain round for 2.2 tokens a row (0.85x)
+        drafts = gate.should_draft()
+        decisions.append(drafts)
+        gate.record(rows=16, seconds=0.026 if drafts else 0.010, emitted=int(16 * (2.2 if drafts else 1)), drafted=drafts,
+                    propose_s=0.004 if drafts else 0.0)
+    assert decisions.count(False) > 20  # paused most of the time
+    assert gate.plain < 1.1 and gate.expected_speedup() < 0.95
 
 
 def test_a_cheap_drafter_is_never_gated_and_a_near_tie_does_not_pause():
