@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -164,9 +165,7 @@ def _readers(work: Path):
 
 def answers_by_domain(reader) -> dict[str, int]:
     """How many answers a cache split holds, per domain and in all (`all`)."""
-    counts: dict[str, int] = {}
-    for row in reader.rows:
-        counts[row.domain] = counts.get(row.domain, 0) + 1
+    counts = Counter(row.domain for row in reader.rows)
     return {"all": len(reader.rows), **dict(sorted(counts.items()))}
 
 
