@@ -514,6 +514,7 @@ def test_calibrating_a_checkpoint_fits_a_copy_prior_that_raises_tau(cache_dir, t
     assert extra["eval_tau_kind"] == "per round"  # stride 1: every answer walked round by round
     eval_rows = CacheReader(work / "cache" / "eval").rows
     assert extra["eval_answers"]["all"] == len(eval_rows) == sum(n for d, n in extra["eval_answers"].items() if d != "all")
+    assert extra["eval_answers"] == {"all": 12, "chat": 6, "math": 6}  # tiny_plan(12): math and chat in turn
     with_copy, without = extra["eval_tau_greedy"]["all"], extra["eval_tau_greedy_without_copy"]["all"]
     assert with_copy > without + 0.2
     drafter = load_drafter(tmp_path / "ck", target)
