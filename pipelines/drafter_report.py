@@ -144,6 +144,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     from dspark.dspark_drafter.calibration import ece, reliability, roc_auc, survival, prefix_accepted
     from dspark.dspark_drafter.copy_prior import adjust_logits
     from dspark.training.cache import CacheReader
+    from dspark.training.copy_bound import copy_bounds
     from dspark.training.round_ends import round_ends_by_domain
     from dspark.training.trainer import evaluate
     from pipelines.train_drafter import load_target, setup_torch
@@ -214,6 +215,8 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     if walk:  # needs every anchor, like tau per round
         ends = round_ends_by_domain(res, None if vocab is None else vocab.numpy())
         results["dspark"]["round_ends"] = {d: asdict(e) for d, e in ends.items()}
+        if copy is not None:
+            results["dspark"]["copy_bounds"] = copy_bounds(model, reader, rows, copy, vocab).tau_by_domain()
     results["dspark"]["sweep"] = {"threshold": thr.tolist(), "tokens_per_step": tps.tolist(), "acceptance_rate": rate.tolist(), "mean_verified": ver.tolist()}
     out.mkdir(parents=True, exist_ok=True)
     files = _plots(out, results, sts, gamma)
@@ -297,6 +300,35 @@ def _round_ends_table(ends: dict | None) -> list[str]:
     return lines + [""]
 
 
+_BOUND_LABELS = {
+    "rule": "the copy rule's choice (the drafter; tau above)",
+    "top1": "the drafter's top-1 (no copying)",
+    "top1_or_candidate": "top-1 or one of the rule's candidates (a perfect decision)",
+    "top1_or_follower": "top-1 or any earlier follower (up to 5 per n-gram)",
+}
+
+
+def _copy_bounds_table(bounds: dict | None, doms: list[str]) -> list[str]:
+    if not bounds:
+        return []
+    lines = [
+        "## What a better copy decision could add (DSpark)",
+        "",
+        "The same walk, stepped along the target's own tokens, with a step counted right when the target's token is "
+        "what each row names. The first row is the drafter (its chain follows the target's path until it is "
+        "rejected). A perfect decision takes the target's token whenever it is the top-1 or a candidate the rule "
+        "looked up (the latest follower of the path's last n-grams); the last row also counts every earlier "
+        "follower of those n-grams. Where a domain's perfect-decision tau is below a goal, no copy decision over "
+        "these candidates reaches it. `dspark/training/copy_bound.py`.",
+        "",
+        "| tau per round, a step right when the target's token is | " + " | ".join(doms) + " |",
+        "| --- | " + " | ".join("---" for _ in doms) + " |",
+    ]
+    for name, tau in bounds.items():
+        lines.append(f"| {_BOUND_LABELS.get(name, name)} | " + " | ".join(f"{tau.get(d, float('nan')):.3f}" for d in doms) + " |")
+    return lines + [""]
+
+
 def _markdown(s: dict, files: list[str]) -> str:
     r = s["results"]
     doms = [d for d in r["dspark"]["tau"] if d != "all"] + ["all"]
@@ -347,7 +379,8 @@ def _markdown(s: dict, files: list[str]) -> str:
         "| DSpark, sampling at T=1 (1 - TV) | " + " | ".join(f"{x:.3f}" for x in r["dspark"]["sampling_acceptance_T1"]) + " |"
     )
     sw = r["dspark"]["sweep"]
-    lines += ["", "![per-position acceptance](per_position_acceptance.png)", "", *_round_ends_table(r["dspark"].get("round_ends"))]
+    lines += ["", "![per-position acceptance](per_position_acceptance.png)", "", *_round_ends_table(r["dspark"].get("round_ends")),
+              *_copy_bounds_table(r["dspark"].get("copy_bounds"), doms)]
     lines += [
         "## Confidence-threshold sweep (DSpark, calibrated confidences)",
         "",

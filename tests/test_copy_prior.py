@@ -94,6 +94,17 @@ def test_match_kinds_tell_unique_consistent_and_ambiguous_matches_apart():
     assert index.candidates([5], KINDED) == {1: 7.0}
 
 
+def test_followers_are_every_earlier_continuation_not_just_the_latest():
+    index = NgramIndex([2, 3], [5, 6, 5, 7, 9, 5])
+    assert index.matches([9, 5], CopyPrior(((2, 1.0),)))[2] == Match(7, "a")  # the rules copy the latest
+    assert index.followers([9, 5], [2]) == {6, 7}  # 5 -> 6, then 5 -> 7
+    assert index.followers([9, 5], [3]) == set()  # "9 5" was never continued
+    assert index.followers([9, 5], [2, 3]) == {6, 7}
+    # a drafted 5 -> 8 joins them; the drafted 8 was never continued
+    assert index.followers([5, 8, 5], [2], fresh=2) == {6, 7, 8}
+    assert index.followers([5, 8], [2], fresh=1) == set()
+
+
 def test_zero_bonuses_and_short_suffixes_propose_nothing():
     index = NgramIndex([2, 3], [1, 2, 1, 2])
     assert index.candidates([1, 2], CopyPrior(((2, 0.0), (3, 0.0)))) == {}

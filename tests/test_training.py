@@ -557,7 +557,40 @@ def test_calibrating_with_a_copy_scorer_learns_when_to_copy(cache_dir, target, t
 
     s = build_report({"target": "tiny", "seed": 0, "work_dir": str(work)}, tmp_path / "report", tmp_path / "ck", None, None, stride=1)
     assert s["results"]["dspark"]["tau"]["all"] > s["results"]["dspark_no_copy"]["tau"]["all"]
-    assert "learned scorer over orders [2, 3, 4]" in (tmp_path / "report" / "report.md").read_text()
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "learned scorer over orders [2, 3, 4]" in md
+    # beside it, how far a perfect copy decision would go: its first row is the drafter itself
+    bounds = s["results"]["dspark"]["copy_bounds"]
+    assert bounds["rule"] == pytest.approx(s["results"]["dspark"]["tau"])
+    assert bounds["top1"] == pytest.approx(s["results"]["dspark_no_copy"]["tau"])
+    assert bounds["top1_or_candidate"]["all"] >= bounds["rule"]["all"] and "## What a better copy decision could add" in md
+
+
+def test_copy_bounds_walk_the_drafters_own_chain_and_bound_a_better_decision(cache_dir, target):
+    """Stepped along the target's tokens, the rule's choice accepts exactly the prefixes the
+    free-running drafter does (with and without copying), so the bounds beside it are tau of the
+    same walk with more of the step's options counted right."""
+    from dspark.training.copy_bound import copy_bounds
+
+    torch.manual_seed(0)
+    model = drafter_with_live_heads(target)
+    rd = CacheReader(cache_dir)
+    rows = list(range(len(rd.rows)))
+    rule = CopyPrior(((2, 4.0), (3, 8.0)))
+    bounds = copy_bounds(model, rd, rows, rule, batch_size=16)  # several batches
+    with_copy, without = evaluate(model, rd, rows, stride=1, copy=rule), evaluate(model, rd, rows, stride=1)
+    assert bounds.rows.tolist() == with_copy.rows.tolist() and bounds.anchors.tolist() == with_copy.anchors.tolist()
+    assert bounds.domains == with_copy.domains
+    np.testing.assert_array_equal(np.cumprod(bounds.steps["rule"], 1), np.cumprod(with_copy.accepted, 1))
+    np.testing.assert_array_equal(np.cumprod(bounds.steps["top1"], 1), np.cumprod(without.accepted, 1))
+    tau = bounds.tau_by_domain()
+    assert tau["rule"] == pytest.approx(with_copy.tau_by_domain(decoded=True))
+    assert tau["top1"] == pytest.approx(without.tau_by_domain(decoded=True))
+    # the tiny target's answers repeat tokens: a perfect decision over the rule's candidates beats
+    # the rule, and every earlier follower at least matches it
+    assert tau["top1_or_candidate"]["all"] > max(tau["rule"]["all"], tau["top1"]["all"])
+    assert tau["top1_or_follower"]["all"] >= tau["top1_or_candidate"]["all"]
+    assert (bounds.steps["top1_or_candidate"] >= bounds.steps["rule"]).all()
 
 
 def test_decoded_tau_walks_the_answer_round_by_round():

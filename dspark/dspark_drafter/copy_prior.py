@@ -234,6 +234,18 @@ class NgramIndex:
                 out[o] = found
         return out
 
+    def followers(self, suffix: Sequence[int], orders: Sequence[int], fresh: int = 0) -> set[int]:
+        """Every token that followed an earlier occurrence of `suffix`'s last o - 1 tokens, for
+        each order o in `orders` (as in `matches`): the latest follower and the first
+        MAX_DISTINCT distinct ones. What a rule choosing among all earlier continuations could copy."""
+        out: set[int] = set()
+        for o in orders:
+            m = self._match(suffix, o, fresh)
+            if m is not None:
+                out.add(m[0])
+                out.update(m[2])
+        return out
+
     def candidates(self, suffix: Sequence[int], prior: CopyPrior, fresh: int = 0) -> dict[int, float]:
         """Copy candidates after `suffix` (see `matches`) -> summed bonus."""
         return candidates_of(self.matches(suffix, prior, fresh), prior)

@@ -183,6 +183,14 @@ def walk_rounds(rows: np.ndarray, anchors: np.ndarray, gained: np.ndarray) -> np
     return np.array(visited, dtype=np.int64)
 
 
+def decoded_tau(accepted: np.ndarray, rows: np.ndarray, anchors: np.ndarray) -> float:
+    """Tokens per round of the walk over blocks [n, G] of acceptances (1: the drafted token at
+    k is the target's) with their rows and anchors [n] (`walk_rounds`); nan for no blocks."""
+    gained = 1 + np.cumprod(accepted, axis=1).sum(1).astype(np.int64)
+    visited = walk_rounds(rows, anchors, gained)
+    return float(gained[visited].mean()) if len(visited) else float("nan")
+
+
 @dataclass
 class EvalResult:
     accepted: np.ndarray  # [n, G] greedy: drafted token == target argmax at k (prefix products are exact)
@@ -211,9 +219,7 @@ class EvalResult:
         if self.rows is None or self.anchors is None:
             raise ValueError("decoded_tau needs the blocks' rows and anchors")
         keep = np.ones(len(self.accepted), bool) if mask is None else np.asarray(mask, bool)
-        gained = 1 + np.cumprod(self.accepted[keep], axis=1).sum(1).astype(np.int64)
-        visited = walk_rounds(self.rows[keep], self.anchors[keep], gained)
-        return float(gained[visited].mean()) if len(visited) else float("nan")
+        return decoded_tau(self.accepted[keep], self.rows[keep], self.anchors[keep])
 
     def tau_by_domain(self, decoded: bool = False) -> dict[str, float]:
         fn = self.decoded_tau if decoded else self.tau
