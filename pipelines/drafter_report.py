@@ -318,8 +318,10 @@ def _copy_bounds_table(bounds: dict | None, doms: list[str]) -> list[str]:
         "what each row names. The first row is the drafter (its chain follows the target's path until it is "
         "rejected). A perfect decision takes the target's token whenever it is the top-1 or a candidate the rule "
         "looked up (the latest follower of the path's last n-grams); the last row also counts every earlier "
-        "follower of those n-grams. Where a domain's perfect-decision tau is below a goal, no copy decision over "
-        "these candidates reaches it. `dspark/training/copy_bound.py`.",
+        "follower of those n-grams. At every anchor a perfect decision accepts at least as many tokens as any "
+        "decision between the same options, so, up to where the rounds happen to start, its tau is the most a "
+        "better copy decision can give; the rest has to come from the network's own proposals. "
+        "`dspark/training/copy_bound.py`.",
         "",
         "| tau per round, a step right when the target's token is | " + " | ".join(doms) + " |",
         "| --- | " + " | ".join("---" for _ in doms) + " |",

@@ -15,8 +15,11 @@ step k when what it proposes there is the target's token, so tau per round with
   o - 1 tokens (every order of the rule; the first `MAX_DISTINCT` distinct followers an
   n-gram had): a perfect rule over every earlier continuation, not just the latest.
 
-Where a domain's `top1_or_candidate` tau is below a goal, no decision over the rule's
-candidates reaches it: the network's own proposals, or the candidates, must get better.
+At every anchor a perfect decision accepts at least as many tokens as any decision between
+the same options; walked round by round the anchors visited differ, so its tau is the most a
+better decision can give up to where the rounds happen to start. Where a domain's
+`top1_or_candidate` tau is below a goal, the network's own proposals (or the candidates) must
+get better.
 """
 
 from __future__ import annotations
