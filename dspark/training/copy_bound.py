@@ -32,7 +32,7 @@ import torch
 from dspark.dspark_drafter.copy_prior import CopyRule
 from dspark.dspark_drafter.model import DSparkModel
 from dspark.training.cache import CacheReader
-from dspark.training.trainer import _blocks, _eval_items, _lookups, copy_step, decoded_tau, group_by_row, markov_step
+from dspark.training.trainer import _blocks, _eval_items, _lookups, along_target_path, copy_step, decoded_tau, group_by_row
 
 BOUNDS = ("rule", "top1", "top1_or_candidate", "top1_or_follower")
 
@@ -78,25 +78,19 @@ def copy_bounds(
     for pool, chunk, batch, fwd, full, masked, target in _blocks(model, reader, items, batch_size, False, draft_vocab):
         truth = target.argmax(-1)  # [B, G]
         lookups = _lookups(pool, chunk, rule.orders)
-        suffixes = [list(tail[-rule.span :]) for _, tail in lookups]  # committed tail + the target's tokens so far
         step = {name: np.zeros(tuple(truth.shape), dtype=bool) for name in BOUNDS}
-        prev = batch.tokens[:, 0]
-        for k in range(g):
-            logits, bias, z = markov_step(model, masked[:, k], fwd.conf_h[:, k], prev)
-            copies = [rule.lookup(index, suffix, fresh=k)[1] for (index, _), suffix in zip(lookups, suffixes)]
-            choice = copy_step(rule, logits, full[:, k] + bias, copies, z, k).argmax(-1)  # as `free_running` drafts
+        for s in along_target_path(model, masked, fwd.conf_h, batch.tokens[:, 0], rule, lookups, truth):
+            k = s.k
+            choice = copy_step(rule, s.logits, full[:, k] + s.bias, s.copies, s.z, k).argmax(-1)  # as `free_running` drafts
             want = truth[:, k]
             step["rule"][:, k] = (choice == want).numpy()
-            step["top1"][:, k] = (logits.argmax(-1) == want).numpy()
-            for b, (t, cands) in enumerate(zip(want.tolist(), copies)):
+            step["top1"][:, k] = (s.logits.argmax(-1) == want).numpy()
+            for b, (t, cands) in enumerate(zip(want.tolist(), s.copies)):
                 in_cands = t in cands
                 step["top1_or_candidate"][b, k] = step["top1"][b, k] or in_cands
                 step["top1_or_follower"][b, k] = (
-                    step["top1"][b, k] or in_cands or t in lookups[b][0].followers(suffixes[b], rule.orders, fresh=k)
+                    step["top1"][b, k] or in_cands or t in lookups[b][0].followers(s.suffixes[b], rule.orders, fresh=k)
                 )
-            prev = want
-            for suffix, x in zip(suffixes, want.tolist()):
-                suffix.append(x)
         for name in BOUNDS:
             parts[name].append(step[name])
         where += [(r, a) for r, anchors in group_by_row(chunk) for a in anchors]

@@ -13,9 +13,10 @@ import json
 import math
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -319,6 +320,38 @@ def copy_step(copy: CopyRule, logits: torch.Tensor, full: torch.Tensor, copies: 
     return logits
 
 
+class TeacherForcedStep(NamedTuple):
+    k: int  # depth in the block
+    logits: torch.Tensor  # [B, V] the Markov step's logits before copying
+    bias: torch.Tensor  # [B, V] or 0: its Markov bias
+    z: torch.Tensor  # [B] raw confidence logits
+    copies: list[dict]  # per block: the rule's candidates
+    suffixes: list[list[int]]  # per block: the path so far (committed tail + the target's tokens before k)
+
+
+def along_target_path(
+    model: DSparkModel,
+    base_logits: torch.Tensor,
+    conf_h: torch.Tensor,
+    anchor: torch.Tensor,
+    rule: CopyRule,
+    lookups: list[tuple[NgramIndex, list[int]]],
+    targets: torch.Tensor,
+) -> Iterator[TeacherForcedStep]:
+    """The drafter's Markov steps along the target's own path (teacher forced: step k follows
+    the target's tokens before it, which is the drafted path for as long as a round keeps
+    accepting), with the rule's candidates at each. Shapes as `free_running`; targets [B, G]."""
+    prev = anchor
+    suffixes = [list(tail[-rule.span :]) for _, tail in lookups]
+    for k in range(base_logits.shape[1]):
+        logits, bias, z = markov_step(model, base_logits[:, k], conf_h[:, k], prev)
+        copies = [rule.lookup(index, suffix, fresh=k)[1] for (index, _), suffix in zip(lookups, suffixes)]
+        yield TeacherForcedStep(k, logits, bias, z, copies, suffixes)
+        prev = targets[:, k]
+        for suffix, x in zip(suffixes, prev.tolist()):
+            suffix.append(x)
+
+
 def copy_decisions(
     model: DSparkModel,
     base_logits: torch.Tensor,
@@ -329,19 +362,14 @@ def copy_decisions(
     full_logits: torch.Tensor,
     targets: torch.Tensor,
 ) -> list[tuple[list[list[float]], int]]:
-    """The copy decisions along the target's own path (teacher forced: step k follows the
-    target's tokens before it) for `fit_copy_scorer`: at each step with candidates other than
-    the drafter's top-1, their features and which option the target's token is (0: the top-1,
-    i: candidate i); steps where it is neither are left out. Shapes as `free_running`;
-    targets [B, G] the target's greedy tokens."""
+    """The copy decisions along the target's own path (`along_target_path`) for
+    `fit_copy_scorer`: at each step with candidates other than the drafter's top-1, their
+    features and which option the target's token is (0: the top-1, i: candidate i); steps where
+    it is neither are left out. Shapes as `free_running`; targets [B, G] the target's greedy tokens."""
     out: list[tuple[list[list[float]], int]] = []
-    prev = anchor
-    suffixes = [list(tail[-scorer.span :]) for _, tail in lookups]
-    for k in range(base_logits.shape[1]):
-        logits, bias, z = markov_step(model, base_logits[:, k], conf_h[:, k], prev)
-        found = [scorer.lookup(index, suffix, fresh=k) for (index, _), suffix in zip(lookups, suffixes)]
-        copies = [cands for _, cands in found]
-        own, views = _step_inputs(logits, full_logits[:, k] + bias, copies, z, k)
+    for step in along_target_path(model, base_logits, conf_h, anchor, scorer, lookups, targets):
+        k, copies = step.k, step.copies
+        own, views = _step_inputs(step.logits, full_logits[:, k] + step.bias, copies, step.z, k)
         for b, cands in enumerate(copies):
             options = [t for t in cands if t != views[b].top1]
             truth = int(targets[b, k])
@@ -349,9 +377,6 @@ def copy_decisions(
                 continue
             label = 0 if truth == views[b].top1 else 1 + options.index(truth)
             out.append(([scorer.features(cands[t], *own[b][t], views[b]) for t in options], label))
-        prev = targets[:, k]
-        for suffix, x in zip(suffixes, prev.tolist()):
-            suffix.append(x)
     return out
 
 
