@@ -326,7 +326,8 @@ class TeacherForcedStep(NamedTuple):
     bias: torch.Tensor  # [B, V] or 0: its Markov bias
     z: torch.Tensor  # [B] raw confidence logits
     copies: list[dict]  # per block: the rule's candidates
-    suffixes: list[list[int]]  # per block: the path so far (committed tail + the target's tokens before k)
+    suffixes: list[list[int]]  # per block: the path so far (committed tail + the target's tokens before k);
+    # extended in place after each step: read them before asking for the next
 
 
 def along_target_path(
