@@ -3,8 +3,9 @@
 Stages (all by default, each resumable; rerun the same command to continue):
   generate   the target answers prompts through the project's engine (greedy) and the target
              cache (injected layers + final hidden state) is recorded on the way, in shards:
-             eval and calib splits first (capped per source), then train, then the extra
-             sampled answers to the train prompts that `generate.train_samples` asks for;
+             eval and calib splits first (capped per source), then train, then greedy answers
+             to train prompts under the other instructions of `generate.train_rewrites`,
+             then the extra sampled answers that `generate.train_samples` asks for;
              `prompts.max_prompt_tokens` (eval, calib) and `prompts.train_max_prompt_tokens`
              cap prompt lengths, as one number or per domain ({default: 256, summarization: 768})
   train      L = 0.1 CE + 0.9 TV + 1.0 Conf on the train cache, checkpoints in work_dir/runs/<run>
@@ -113,24 +114,27 @@ def model_config(cfg: dict, target):
 
 
 def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float | None) -> None:
-    from dspark.training.data import load_prompts, plan_generation
+    from dspark.training.data import Rewrite, load_prompts, plan_generation, rewrite_prompts
     from dspark.training.record import generate_with_cache
 
     pc, gc = cfg.get("prompts") or {}, cfg.get("generate") or {}
     mcfg = model_config(cfg, target)
     prompts = load_prompts(pc.get("dir", "/work/shared/data/prompts"), pc.get("files"))
     encode = lambda text: target.encode(text)  # noqa: E731
-    # greedy answers per split, then the train split's extra sampled passes (`train_samples`)
-    # (a pass may narrow the train prompts with its own max_prompt_tokens)
+    # greedy answers per split, then greedy answers to the train prompts under other
+    # instructions (`train_rewrites`, rows `id+tag`), then the train split's extra sampled
+    # passes (`train_samples`, rows `id~tag`; a pass may narrow the prompts with its own limit)
     limits = {split: pc.get(f"{split}_max_prompt_tokens", pc.get("max_prompt_tokens", 384)) for split in ("eval", "calib", "train")}
-    passes = [(split, 0.0, "", limits[split]) for split in ("eval", "calib", "train")]
+    passes = [(split, prompts, 0.0, "", limits[split], "greedy") for split in ("eval", "calib", "train")]
+    for rw in map(Rewrite.from_dict, gc.get("train_rewrites") or []):
+        passes.append(("train", rewrite_prompts(prompts, rw), 0.0, "", limits["train"], f"greedy, rewrite {rw.tag!r} ({rw.replace!r})"))
     for sample in gc.get("train_samples") or []:
-        passes.append(("train", float(sample["temperature"]), str(sample["tag"]), sample.get("max_prompt_tokens", limits["train"])))
-    for split, temperature, tag, limit in passes:
+        tag, temperature = str(sample["tag"]), float(sample["temperature"])
+        passes.append(("train", prompts, temperature, tag, sample.get("max_prompt_tokens", limits["train"]), f"sampled pass {tag!r} (temperature {temperature})"))
+    for split, pool, temperature, tag, limit, what in passes:
         cap = gc.get(f"{split}_per_source")
-        plan = plan_generation(prompts, encode, split, limit, cap)
+        plan = plan_generation(pool, encode, split, limit, cap)
         plan = interleave_sources(plan)
-        what = f"sampled pass {tag!r} (temperature {temperature})" if tag else "greedy"
         log(f"generate {split}, {what}, target in {str(target.dtype).removeprefix('torch.')}: {len(plan)} prompts planned")
         generate_with_cache(
             target,

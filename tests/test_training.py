@@ -15,7 +15,7 @@ import torch
 from dspark.dspark_drafter import DSparkConfig, Fingerprint, build_model, load_drafter, save_checkpoint
 from dspark.dspark_drafter.copy_prior import CopyPrior, CopyScorer
 from dspark.training.cache import CacheReader, anchors_for, build_cache, make_batch
-from dspark.training.data import Prompt, load_prompts, plan_generation, read_jsonl, split_of
+from dspark.training.data import Prompt, Rewrite, load_prompts, plan_generation, read_jsonl, rewrite_prompts, split_of
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
@@ -65,6 +65,32 @@ def test_split_is_a_deterministic_function_of_id():
     assert splits == [split_of(i) for i in ids]
     frac = {s: splits.count(s) / len(ids) for s in ("train", "calib", "eval")}
     assert abs(frac["eval"] - 1 / 8) < 0.02 and abs(frac["calib"] - 1 / 16) < 0.015
+
+
+def test_a_derived_prompt_takes_its_base_prompts_split():
+    """`<id>+<tag>` hashes as `<id>`: an eval or calib article never reaches training under a
+    new instruction, while its own hash would land ~7/8 of them in train."""
+    ids = [f"x-{i}" for i in range(400)]
+    assert {split_of(i) for i in ids} == {"train", "calib", "eval"}
+    assert all(split_of(f"{i}+brief") == split_of(f"{i}+points") == split_of(i) for i in ids)
+
+
+def test_a_rewrite_swaps_the_instruction_of_its_domain_only():
+    prompts = [
+        Prompt("n-1", "news", "summarization", "Summarise the article:\n\nRain fell. Summarise the article: twice."),
+        Prompt("n-2", "news", "summarization", "Other instruction:\n\nText."),
+        Prompt("q-1", "qa", "chat", "Summarise the article:\n\nNot news."),
+    ]
+    rw = Rewrite.from_dict({"tag": "brief", "domain": "summarization", "find": "Summarise the article:", "replace": "Be brief:"})
+    (p,) = rewrite_prompts(prompts, rw)
+    assert (p.id, p.source, p.domain) == ("n-1+brief", "news", "summarization")
+    assert p.text == "Be brief:\n\nRain fell. Summarise the article: twice."  # the first occurrence only
+    assert p.split == prompts[0].split
+    assert rewrite_prompts([p], rw) == []  # derived prompts are not rewritten again
+    with pytest.raises(ValueError, match="replace"):
+        Rewrite.from_dict({"tag": "b", "domain": "summarization", "find": "x"})
+    with pytest.raises(ValueError, match="tag"):
+        Rewrite.from_dict({"tag": "a~b", "domain": "summarization", "find": "x", "replace": "y"})
 
 
 def test_load_prompts_keeps_unicode_line_separators(tmp_path):
@@ -467,6 +493,33 @@ def test_a_sampled_pass_can_answer_only_the_shorter_train_prompts(target, tmp_pa
     stage_generate(cfg, target, tmp_path / "work", Logger(tmp_path / "log.txt"), deadline=None)
     answered = sorted(r["id"] for r in read_jsonl(tmp_path / "work" / "cache" / "train" / "answers.jsonl"))
     assert answered == sorted(ids + [f"{i}~s" for k, i in enumerate(ids) if k % 2])
+
+
+def test_a_rewrite_pass_answers_train_prompts_under_the_new_instruction(target, tmp_path):
+    """`generate.train_rewrites`: one more greedy answer per train prompt of the domain, rows
+    `id+tag`, after the greedy train pass; eval prompts are rewritten into no split's cache."""
+    from pipelines.train_drafter import Logger, stage_generate
+
+    train = [i for i in (f"r{n}" for n in range(200)) if split_of(i) == "train"][:3]
+    held_out = [i for i in (f"r{n}" for n in range(200)) if split_of(i) == "eval"][:1]
+    rows = [{"id": i, "domain": "summarization", "turns": ["w3 w4: w5 w6 w7"]} for i in train + held_out]
+    rows.append({"id": "chat-1", "domain": "chat", "turns": ["w3 w4: w8"]})
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "prompts": {"dir": str(tmp_path)},
+        "generate": {"batch_size": 4, "max_new_tokens": 6, "shard_size": 4, "train_rewrites": [{"tag": "v", "domain": "summarization", "find": "w3 w4:", "replace": "w9 w10 w11:"}]},
+        "model": {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "gamma": 4, "context_len": 6, "markov_rank": 16, "target_layers": list(LAYERS)},
+    }
+    work = tmp_path / "work"
+    stage_generate(cfg, target, work, Logger(tmp_path / "log.txt"), deadline=None)
+    answers = {r["id"]: r for r in read_jsonl(work / "cache" / "train" / "answers.jsonl")}
+    base = [i for i in train + ["chat-1"] if split_of(i) == "train"]
+    assert sorted(answers) == sorted(base + [f"{i}+v" for i in train])
+    for i in train:  # the new instruction's three tokens in place of the old two
+        assert len(answers[f"{i}+v"]["prompt_ids"]) == len(answers[i]["prompt_ids"]) + 1
+        assert answers[f"{i}+v"]["split"] == "train"
+    assert not any(held_out[0] in r["id"] for r in read_jsonl(work / "cache" / "eval" / "answers.jsonl") if "+" in r["id"])
+    assert "rewrite 'v'" in (tmp_path / "log.txt").read_text()
 
 
 def test_generate_dtype_sets_the_generating_target_only(tmp_path):

@@ -5,6 +5,9 @@ stage and every rerun agrees on it, whatever files or order:
     eval   buckets  0..7  (1/8)   offline evaluation and the drafter report
     calib  buckets  8..11 (1/16)  STS calibration (held out from training and from eval)
     train  the rest
+A derived prompt (`rewrite_prompts`: the same text under another instruction) is named
+`<base id>+<tag>` and takes its base's split, so an eval article never reaches training
+under a new instruction.
 
 Answers are appended to a JSON Lines file one batch at a time; a rerun skips ids already
 there, so generation is resumable and can be stopped at any point.
@@ -20,10 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "calib", "eval")
+DERIVED = "+"  # separates a derived prompt's base id from its tag
+
+
+def base_id(prompt_id: str) -> str:
+    """The prompt a derived one was made from ("cnndm-0003+brief" -> "cnndm-0003")."""
+    return prompt_id.split(DERIVED, 1)[0]
 
 
 def split_of(prompt_id: str) -> str:
-    bucket = int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % 64
+    bucket = int(hashlib.sha256(base_id(prompt_id).encode()).hexdigest()[:8], 16) % 64
     return "eval" if bucket < 8 else "calib" if bucket < 12 else "train"
 
 
@@ -50,6 +59,37 @@ def load_prompts(folder: str | Path, files: Iterable[str] | None = None) -> list
                 r = json.loads(line)
                 out.append(Prompt(r["id"], r.get("source", p.stem), r.get("domain", "unknown"), r["turns"][0]))
     return out
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Another instruction over a domain's prompts: `find` (the instruction the prompts carry,
+    e.g. "Summarise the article:") replaced by `replace`, rows named `<id>+<tag>`. More greedy
+    answers of the target on texts the drafter may train on, where a domain has few prompts."""
+
+    tag: str
+    domain: str
+    find: str
+    replace: str
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Rewrite:
+        missing = [k for k in ("tag", "domain", "find", "replace") if not d.get(k)]
+        if missing:
+            raise ValueError(f"a rewrite needs {missing}: {d}")
+        if DERIVED in d["tag"] or "~" in d["tag"]:
+            raise ValueError(f"a rewrite's tag may not contain {DERIVED!r} or '~': {d['tag']!r}")
+        return cls(str(d["tag"]), str(d["domain"]), str(d["find"]), str(d["replace"]))
+
+
+def rewrite_prompts(prompts: Iterable[Prompt], rewrite: Rewrite) -> list[Prompt]:
+    """`rewrite` applied to every prompt of its domain whose text carries `find` (others are
+    left out); each derived prompt keeps its base's source, domain and split."""
+    return [
+        Prompt(f"{p.id}{DERIVED}{rewrite.tag}", p.source, p.domain, p.text.replace(rewrite.find, rewrite.replace, 1))
+        for p in prompts
+        if p.domain == rewrite.domain and DERIVED not in p.id and rewrite.find in p.text
+    ]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
