@@ -324,8 +324,9 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
             "wall_s": counters["wall_s"],
             "cpu_hours": counters["cpu_s"] / 3600.0,
             "peak_rss_mb": counters.get("peak_rss_mb"),
-            "train_sequences": len(readers["train"].rows) if "train" in readers else None,
-            "train_positions": readers["train"].num_positions() if "train" in readers else None,
+            # what the train stage drew from (states before session 44 lack it: the cache now)
+            "train_sequences": counters.get("train_sequences") or (len(readers["train"].rows) if "train" in readers else None),
+            "train_positions": counters.get("train_positions") or (readers["train"].num_positions() if "train" in readers else None),
             "history": counters.get("history", [])[-5:],
             "config": counters.get("config"),
             "init_from": _init_from(cfg, work),

@@ -448,6 +448,28 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     assert any("grown to 10" in line for line in lines)
 
 
+def test_the_checkpoint_records_the_sequences_training_drew_from(cache_dir, target, tmp_path):
+    """A shard the generate stage adds after the train stage ran is in the cache when the
+    calibrate stage writes the card, but the weights never saw it: the card says 12, not 18."""
+    import shutil
+
+    from pipelines.train_drafter import stage_calibrate, stage_train
+
+    work = tmp_path / "work"
+    for split in ("train", "calib", "eval"):
+        shutil.copytree(cache_dir, work / "cache" / split)
+    trained_on = CacheReader(work / "cache" / "train")
+    model = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    cfg = {"model": model, "eval": {"stride": 1}, "train": {"steps": 2, "batch_size": 8, "warmup": 1, "eval_every": 1000, "autocast_bf16": False}}
+    torch.manual_seed(0)
+    stage_train(cfg, target, work, lambda m: None, None, progress=False)
+    shutil.copy(trained_on.shards[0], work / "cache" / "train" / "shard_00099.safetensors")  # generated later
+    assert len(CacheReader(work / "cache" / "train").rows) == len(trained_on.rows) + 6
+    extra = stage_calibrate(cfg, target, work, tmp_path / "ck", lambda m: None)
+    assert extra["training"]["train_sequences"] == len(trained_on.rows) == 12
+    assert extra["training"]["train_positions"] == trained_on.num_positions()
+
+
 def test_a_reduced_vocabulary_run_keeps_its_vocabulary_through_calibration(cache_dir, target, tmp_path):
     """`train.reduced_vocab`: the run trains over the draft vocabulary chosen when it starts;
     more answers arriving later do not move it, and the checkpoint ships that same set."""

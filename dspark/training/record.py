@@ -145,5 +145,5 @@ def generate_with_cache(
         now = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0, "answers": n_new, "new_tokens": n_tok}
         stats_path.write_text(json.dumps({key: stats[key] + now[key] for key in stats}))
         dt = time.time() - t0
-        log(f"{out.name}{'~' + tag if tag else ''}: shard {k} +{n_new} answers ({len(plan) - len(todo) + n_new}/{len(plan)}), {n_tok} new tokens in {dt:.0f}s = {n_tok / max(dt, 1e-9):.1f} tok/s")
+        log(f"{out.name}{'~' + tag if tag else ''}: {shard_name(k - 1)} +{n_new} answers ({len(plan) - len(todo) + n_new}/{len(plan)}), {n_tok} new tokens in {dt:.0f}s = {n_tok / max(dt, 1e-9):.1f} tok/s")
     return n_new

@@ -641,8 +641,15 @@ def train(
     if counters["step"]:
         log(f"resumed at step {counters['step']} (epoch {counters['epoch']}, batch {counters['batch_in_epoch']})")
     model.train()
+
+    def drawing_from(reader: CacheReader, rows: list[int]) -> None:
+        # what the run has trained on, for the card: the cache may grow while it runs or after
+        counters["train_sequences"] = max(counters.get("train_sequences", 0), len(rows))
+        counters["train_positions"] = max(counters.get("train_positions", 0), sum(reader.rows[r].length for r in rows))
+
     pool = ShardPool(reader, cfg.shard_window)
     plan = epoch_plan(reader, train_rows, g, cfg, counters["epoch"])
+    drawing_from(reader, train_rows)
     t_wall, t_cpu = time.time(), time.process_time()
     wall0, cpu0 = counters["wall_s"], counters["cpu_s"]
     from tqdm.auto import tqdm
@@ -668,6 +675,7 @@ def train(
                 pool = ShardPool(reader, cfg.shard_window)
                 log(f"epoch {counters['epoch']}: {len(train_rows)} sequences, {reader.num_positions()} positions")
             plan = epoch_plan(reader, train_rows, g, cfg, counters["epoch"])
+            drawing_from(reader, train_rows)
         items = plan[counters["batch_in_epoch"]]
         batch = load_batch(pool, items, g, n)
         for group in opt.param_groups:
