@@ -136,6 +136,21 @@ def test_recorded_cache_matches_a_full_forward(cache_dir, target, tmp_path):
         torch.testing.assert_close(a["final"][:n].float(), b["final"][:n].float(), atol=0.05, rtol=0.02)
 
 
+def test_a_shard_moved_out_of_the_cache_is_never_written_over(cache_dir, target, tmp_path):
+    """With the first of two shards moved aside, its prompts are answered again into a new
+    shard after the highest one, not into the surviving shard's name."""
+    import shutil
+
+    d = tmp_path / "cache"
+    shutil.copytree(cache_dir, d)
+    kept = CacheReader(d).shards[1].read_bytes()
+    shutil.move(d / "shard_00000.safetensors", tmp_path / "aside.safetensors")
+    assert generate_with_cache(target, tiny_plan(12), d, LAYERS, 6, 6, 24, 6, log=lambda m: None) == 6
+    assert sorted(p.name for p in d.glob("shard_*")) == ["shard_00001.safetensors", "shard_00002.safetensors"]
+    assert (d / "shard_00001.safetensors").read_bytes() == kept
+    assert len(CacheReader(d).rows) == 12
+
+
 def test_a_sampled_pass_adds_second_answers_to_the_same_prompts(target, tmp_path):
     d = tmp_path / "cache"
     plan = tiny_plan(6)

@@ -72,13 +72,14 @@ def row_seed(rid: str) -> int:
 
 
 def done_ids(out_dir: Path) -> tuple[set[str], int]:
-    """Prompt ids already in the shards of `out_dir`, and the number of shards."""
+    """Prompt ids already in the shards of `out_dir`, and the index the next shard takes: one
+    past the highest (not the count, so a shard moved out never gets another written over it)."""
     ids: set[str] = set()
     shards = sorted(out_dir.glob("shard_*.safetensors"))
     for path in shards:
         with safe_open(str(path), "pt") as f:
             ids.update(r["id"] for r in json.loads(f.metadata()["rows"]))
-    return ids, len(shards)
+    return ids, 1 + max((int(p.name[len("shard_") : -len(".safetensors")]) for p in shards), default=-1)
 
 
 def generate_with_cache(
