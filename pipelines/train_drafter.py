@@ -180,7 +180,7 @@ def stage_train(
     from dspark.dspark_drafter.checkpoint import warm_start
     from dspark.dspark_drafter.vocab import read_draft_vocab, save_draft_vocab
     from dspark.training.cache import CacheReader
-    from dspark.training.trainer import TrainConfig, train
+    from dspark.training.trainer import TrainConfig, freeze_all_but, train
 
     readers = _readers(work)
     if "train" not in readers:
@@ -208,6 +208,10 @@ def stage_train(
             log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")
     n_train = len(rd.rows)
     log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M trainable params")
+    if tcfg.trainable is not None:
+        kept = set(freeze_all_but(model, tcfg.trainable))  # train() freezes too; here for the log
+        n_kept = sum(p.numel() for name, p in model.named_parameters() if name in kept)
+        log(f"train: training only {tcfg.trainable} ({n_kept / 1e6:.2f} M params), the rest frozen")
     if tcfg.domain_weights:
         log(f"train: answers walked per epoch by domain {tcfg.domain_weights} (others 1)")
     # held-out tau and a same-size slice of train rows (to watch over-fitting)

@@ -276,6 +276,24 @@ def test_training_is_deterministic_and_resumes_exactly(cache_dir, target, tmp_pa
         torch.testing.assert_close(b2.state_dict()[k], v, atol=1e-6, rtol=1e-5)
 
 
+def test_trainable_trains_the_named_parameters_and_leaves_the_rest_as_they_were(cache_dir, target, tmp_path):
+    rd = CacheReader(cache_dir)
+    torch.manual_seed(0)
+    model = build_model(drafter_cfg(target), target.model)
+    with torch.no_grad():  # a trained-looking start: W2 = 0 would give W1 no gradient
+        model.markov_w2.normal_(std=0.05)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = TrainConfig(steps=3, batch_size=8, warmup=1, eval_every=1000, autocast_bf16=False, trainable=["markov_", "conf_head"])
+    train(model, rd, list(range(len(rd.rows))), cfg, tmp_path / "s", progress=False, log=lambda m: None)
+    after = model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == {"markov_w1.weight", "markov_w2", "conf_head.weight", "conf_head.bias"}
+
+    with pytest.raises(ValueError, match=r"\['markov_head'\] name no parameter"):
+        train(build_model(drafter_cfg(target), target.model), rd, [0], TrainConfig(steps=1, trainable=["markov_head"]),
+              tmp_path / "t", progress=False, log=lambda m: None)
+
+
 def test_the_held_out_monitor_can_walk_answers_round_by_round(cache_dir, target, tmp_path):
     rd = CacheReader(cache_dir)
     rows = list(range(len(rd.rows)))

@@ -57,6 +57,9 @@ class TrainConfig:
     log_every: int = 25
     autocast_bf16: bool = True
     reduced_vocab: bool = False  # train over the config's `draft_vocab` tokens (fixed at the run's start)
+    # parameter-name prefixes to train, the rest frozen (None: all), e.g. ["markov_", "conf_head"]
+    # for a Markov head grown onto a trained drafter without moving the backbone it was fitted to
+    trainable: list[str] | None = None
     weights: LossWeights = field(default_factory=LossWeights)
 
     @staticmethod
@@ -65,6 +68,24 @@ class TrainConfig:
         if "weights" in d and isinstance(d["weights"], dict):
             d["weights"] = LossWeights(**d["weights"])
         return TrainConfig(**d)
+
+
+def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
+    """Freeze every parameter whose name starts with none of `prefixes`; returns the names
+    left trainable. A prefix that names no parameter is refused (a typo would silently train
+    nothing of what was meant)."""
+    names = [name for name, _ in model.named_parameters()]
+    unknown = [p for p in prefixes if not any(name.startswith(p) for name in names)]
+    if unknown:
+        roots = sorted({name.split(".")[0] for name in names})
+        raise ValueError(f"train.trainable: {unknown} name no parameter of the drafter (its parameters start with {roots})")
+    kept = []
+    for name, param in model.named_parameters():
+        if any(name.startswith(p) for p in prefixes):
+            kept.append(name)
+        else:
+            param.requires_grad_(False)
+    return kept
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -625,6 +646,8 @@ def train(
     check_domain_weights(cfg.domain_weights, {r.domain for r in reader.rows})
     torch.manual_seed(cfg.seed)
     g, n = model.cfg.gamma, model.cfg.context_len
+    if cfg.trainable is not None:
+        freeze_all_but(model, cfg.trainable)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
