@@ -19,7 +19,7 @@ from dspark.training.data import Prompt, Rewrite, load_prompts, plan_generation,
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
-from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, evaluate, monitor_tau, spread, train
+from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, freeze_all_but, evaluate, monitor_tau, spread, train
 
 LAYERS = (1, 3)
 
@@ -292,6 +292,8 @@ def test_trainable_trains_the_named_parameters_and_leaves_the_rest_as_they_were(
     with pytest.raises(ValueError, match=r"\['markov_head'\] name no parameter"):
         train(build_model(drafter_cfg(target), target.model), rd, [0], TrainConfig(steps=1, trainable=["markov_head"]),
               tmp_path / "t", progress=False, log=lambda m: None)
+    with pytest.raises(ValueError, match="nothing would train"):
+        freeze_all_but(build_model(drafter_cfg(target), target.model), [])
 
 
 def test_the_held_out_monitor_can_walk_answers_round_by_round(cache_dir, target, tmp_path):

@@ -72,8 +72,10 @@ class TrainConfig:
 
 def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
     """Freeze every parameter whose name starts with none of `prefixes`; returns the names
-    left trainable. A prefix that names no parameter is refused (a typo would silently train
-    nothing of what was meant)."""
+    left trainable. An empty list, or a prefix that names no parameter, is refused (a typo
+    would silently train nothing of what was meant)."""
+    if not prefixes:
+        raise ValueError("train.trainable is empty: nothing would train (null trains every parameter)")
     names = [name for name, _ in model.named_parameters()]
     unknown = [p for p in prefixes if not any(name.startswith(p) for name in names)]
     if unknown:
@@ -82,7 +84,8 @@ def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
     kept = []
     for name, param in model.named_parameters():
         if any(name.startswith(p) for p in prefixes):
-            kept.append(name)
+            if param.requires_grad:
+                kept.append(name)
         else:
             param.requires_grad_(False)
     return kept
