@@ -207,11 +207,11 @@ def stage_train(
             (state_dir(cfg, work) / "init_from.json").write_text(json.dumps({"checkpoint": str(init_from), **before}, indent=1))
             log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")
     n_train = len(rd.rows)
-    log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M trainable params")
     if tcfg.trainable is not None:
-        kept = set(freeze_all_but(model, tcfg.trainable))  # train() freezes too; here for the log
-        n_kept = sum(p.numel() for name, p in model.named_parameters() if name in kept)
-        log(f"train: training only {tcfg.trainable} ({n_kept / 1e6:.2f} M params), the rest frozen")
+        freeze_all_but(model, tcfg.trainable)  # train() freezes too; here so that the count below is what trains
+        log(f"train: training only the parameters under {tcfg.trainable}, the rest frozen")
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"train: {n_train} sequences, {rd.num_positions()} cached positions; model {n_params / 1e6:.2f} M trainable params")
     if tcfg.domain_weights:
         log(f"train: answers walked per epoch by domain {tcfg.domain_weights} (others 1)")
     # held-out tau and a same-size slice of train rows (to watch over-fitting)

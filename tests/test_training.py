@@ -19,7 +19,7 @@ from dspark.training.data import Prompt, Rewrite, load_prompts, plan_generation,
 from dspark.dspark_drafter.vocab import frequent_tokens, save_draft_vocab
 from dspark.training.record import answer_tokens, generate_with_cache
 from dspark.training.tiny import tiny_target
-from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, freeze_all_but, evaluate, monitor_tau, spread, train
+from dspark.training.trainer import TrainConfig, check_domain_weights, epoch_plan, evaluate, freeze_all_but, monitor_tau, spread, train
 
 LAYERS = (1, 3)
 
@@ -294,6 +294,22 @@ def test_trainable_trains_the_named_parameters_and_leaves_the_rest_as_they_were(
               tmp_path / "t", progress=False, log=lambda m: None)
     with pytest.raises(ValueError, match="nothing would train"):
         freeze_all_but(build_model(drafter_cfg(target), target.model), [])
+
+    # the train stage counts what trains: the Markov and confidence weights only
+    import shutil
+
+    from pipelines.train_drafter import stage_train
+
+    shutil.copytree(cache_dir, tmp_path / "work" / "cache" / "train")
+    model_cfg = dict(num_layers=1, num_heads=4, num_kv_heads=2, gamma=4, context_len=6, markov_rank=16, target_layers=list(LAYERS))
+    lines: list[str] = []
+    stage_train({"model": model_cfg, "train": {"steps": 0, "batch_size": 8, "eval_every": 1000, "autocast_bf16": False,
+                                               "trainable": ["markov_", "conf_head"]}},
+                target, tmp_path / "work", lines.append, None, progress=False)
+    heads = sum(p.numel() for name, p in model.named_parameters() if name.startswith(("markov_", "conf_head")))
+    everything = sum(p.numel() for p in model.parameters())
+    assert f"{heads / 1e6:.2f}" != f"{everything / 1e6:.2f}"  # the log tells the two apart at this size
+    assert any(f"model {heads / 1e6:.2f} M trainable params" in line for line in lines)
 
 
 def test_the_held_out_monitor_can_walk_answers_round_by_round(cache_dir, target, tmp_path):

@@ -70,10 +70,10 @@ class TrainConfig:
         return TrainConfig(**d)
 
 
-def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
-    """Freeze every parameter whose name starts with none of `prefixes`; returns the names
-    left trainable. An empty list, or a prefix that names no parameter, is refused (a typo
-    would silently train nothing of what was meant)."""
+def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> None:
+    """Freeze every parameter whose name starts with none of `prefixes`. An empty list, or a
+    prefix that names no parameter, is refused (a typo would silently train nothing of what
+    was meant)."""
     if not prefixes:
         raise ValueError("train.trainable is empty: nothing would train (null trains every parameter)")
     names = [name for name, _ in model.named_parameters()]
@@ -81,14 +81,9 @@ def freeze_all_but(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
     if unknown:
         roots = sorted({name.split(".")[0] for name in names})
         raise ValueError(f"train.trainable: {unknown} name no parameter of the drafter (its parameters start with {roots})")
-    kept = []
     for name, param in model.named_parameters():
-        if any(name.startswith(p) for p in prefixes):
-            if param.requires_grad:
-                kept.append(name)
-        else:
+        if not name.startswith(tuple(prefixes)):
             param.requires_grad_(False)
-    return kept
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
