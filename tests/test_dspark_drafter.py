@@ -454,6 +454,32 @@ def test_a_warm_start_may_grow_layers_and_markov_rank_and_starts_as_the_same_dra
         warm_start(resized(small, target), tmp_path / "big", target)
 
 
+def test_a_warm_start_to_rank_0_is_the_drafter_with_its_markov_head_silenced(tmp_path, target):
+    """The parallel-only ablation of a trained drafter: same backbone and confidence w_h, no bias."""
+    from dspark.dspark_drafter.checkpoint import warm_start
+
+    trained = resized(make_model(target), target, markov_rank=4)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint(tmp_path / "trained", trained, Fingerprint.of(target), dtype=torch.float32)
+    parallel = resized(trained, target, markov_rank=0)
+    warm_start(parallel, tmp_path / "trained", target)
+    with torch.no_grad():  # silence the head in place: B = W1[x] W2 = 0, confidence without W1[x]
+        trained.markov_w2.zero_()
+        trained.conf_head.weight[:, trained.cfg.hidden_size:] = 0.0
+
+    ctx, valid = rand_ctx(trained)
+    tokens = torch.randint(3, 96, (3, trained.cfg.gamma + 1))
+    with torch.no_grad():
+        want_logits, want_conf = trained.teacher_forced(ctx, valid, tokens)
+        got_logits, got_conf = parallel.teacher_forced(ctx, valid, tokens)
+    torch.testing.assert_close(got_logits, want_logits)
+    torch.testing.assert_close(got_conf, want_conf)
+    with pytest.raises(ValueError, match="drop to 0"):  # other ranks still only grow
+        warm_start(resized(trained, target, markov_rank=2), tmp_path / "trained", target)
+
+
 # ---------------------------------------------------------------- engine plug-in
 
 

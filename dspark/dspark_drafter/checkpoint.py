@@ -212,23 +212,32 @@ def _load_weights(model: DSparkModel, ck: Checkpoint, where: str) -> None:
 GROWABLE = ("num_layers", "markov_rank")
 
 
+def _may_differ(key: str, mine: dict, theirs: dict) -> bool:
+    """Whether a warm start may change architecture field `key` from `theirs` to `mine`."""
+    if key == "context_len":  # how many committed positions a block may attend to, not a shape
+        return True
+    if key in GROWABLE and mine.get(key, 0) > theirs.get(key, 0):
+        return True
+    # markov_rank -> 0: the parallel-only ablation continued from a trained drafter's backbone,
+    # so that it can be compared with that drafter at the same amount of training
+    return key == "markov_rank" and mine.get(key) == 0
+
+
 def warm_start(model: DSparkModel, path: str | Path, target) -> Checkpoint:
     """Copy a checkpoint's trained weights into `model` (built for training, same target) so
     that training continues from it instead of from random weights: more data, more steps, a
     wider context window, or a deeper drafter / a higher Markov rank (see grow_state) without
-    paying again for the steps already done. Calibration temperatures are not carried over;
-    the calibrate stage fits new ones."""
+    paying again for the steps already done. A model with markov_rank 0 takes everything but
+    the Markov head (the parallel-only ablation of the checkpoint; unlike growing, it does not
+    start as the same function). Calibration temperatures are not carried over; the calibrate
+    stage fits new ones."""
     ck = read_checkpoint(path)
     check_fingerprint(ck.target, target, where=str(path))
     mine, theirs = model.cfg.to_dict(), ck.config.to_dict()
-    # context_len is how many committed positions a block may attend to, not a weight shape:
-    # a run may widen it (the attention then learns to use the farther positions)
-    same = set(mine) | set(theirs)
-    differ = sorted(k for k in same if k != "context_len" and mine.get(k) != theirs.get(k)
-                    and not (k in GROWABLE and mine.get(k, 0) > theirs.get(k, 0)))
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k) and not _may_differ(k, mine, theirs))
     if differ:
         detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
-        grow = " (num_layers and markov_rank may only grow)" if set(differ) & set(GROWABLE) else ""
+        grow = " (num_layers and markov_rank may only grow, or markov_rank drop to 0)" if set(differ) & set(GROWABLE) else ""
         raise ValueError(f"{path}: cannot warm-start from a different drafter architecture ({detail}){grow}")
     state = grow_state(model.state_dict(), {k: v.float() for k, v in ck.state.items()}, ck.config.num_layers, ck.config.markov_rank)
     _load_weights(model, Checkpoint(config=model.cfg, state=state), str(path))
@@ -242,7 +251,8 @@ def grow_state(fresh: dict[str, torch.Tensor], old: dict[str, torch.Tensor], old
     with zero output projections (o_proj, down_proj): their residual branches add nothing until
     training moves them. Markov rank r_old -> r: W1 keeps its first r_old columns and gets fresh
     random ones; the new columns of W2 and of the confidence head's W1 part are zero, so the
-    bias B = W1[x] W2 and the confidence logits are unchanged."""
+    bias B = W1[x] W2 and the confidence logits are unchanged. Rank r_old -> 0 drops W1, W2 and
+    the confidence head's W1 part (fresh has no Markov keys; the head keeps w_h and b)."""
     out: dict[str, torch.Tensor] = {}
     d = fresh["final_norm.weight"].shape[0]
     for key, init in fresh.items():
@@ -257,6 +267,8 @@ def grow_state(fresh: dict[str, torch.Tensor], old: dict[str, torch.Tensor], old
             out[key] = torch.cat([old[key], torch.zeros_like(init[:, old_rank:])], dim=1)  # [V, r]
         elif key in ("markov_w1.weight", "markov_w2"):  # rank 0 -> r: W2 = 0 gives B = 0
             out[key] = torch.zeros_like(init) if key == "markov_w2" else init
+        elif key == "conf_head.weight" and init.shape[1] == d:  # rank -> 0: keep w_h
+            out[key] = old[key][:, :d]
         elif key == "conf_head.weight":  # [1, d + r]: w_h, then the W1 part
             out[key] = torch.cat([old[key], torch.zeros_like(init[:, d + old_rank:])], dim=1)
         else:
