@@ -172,7 +172,13 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     if ablation is not None and (ablation / "config.json").is_file():
         abl, abl_ck = load_model_for_target(ablation, target, dtype=torch.float32)
         steps["parallel"] = _trained_steps(abl_ck)
-        label = f"parallel-only (trained without Markov head){_steps_label(steps['parallel'])}{vocab_note}"
+        source = _warm_source(abl_ck)
+        if source:  # started --init-from a drafter with a Markov head (markov_rank 0 drops it)
+            steps["parallel_from"] = source
+            label = (f"parallel-only (the Markov head removed from {Path(source['checkpoint']).name}, "
+                     f"{source.get('steps')} steps, then {steps['parallel']} steps without it){vocab_note}")
+        else:
+            label = f"parallel-only (trained without Markov head){_steps_label(steps['parallel'])}{vocab_note}"
         runs["parallel"] = (evaluate(abl, reader, rows, stride, max_blocks, draft_vocab=vocab), label)
     else:
         label = f"parallel-only (Markov bias off at inference; no retrained ablation){vocab_note}"
@@ -248,12 +254,20 @@ def _trained_steps(ck) -> int | None:
     return ((ck.extra or {}).get("training") or {}).get("steps")
 
 
+def _warm_source(ck) -> dict | None:
+    """The checkpoint a run started from (`--init-from`) as its card records it, or None."""
+    return ((ck.extra or {}).get("training") or {}).get("init_from")
+
+
 def _steps_label(steps: int | None) -> str:
     return f", {steps} steps" if steps else ""
 
 
 def _unequal_note(steps: dict) -> str:
-    a, b = steps.get("dspark"), steps.get("parallel")
+    a, b, source = steps.get("dspark"), steps.get("parallel"), steps.get("parallel_from")
+    if source:  # a warm start has had its source's training too: compare totals, not runs
+        return (f" (the ablation continued {Path(source['checkpoint']).name}'s {source.get('steps')} steps for {b} more; "
+                f"this drafter's own run: {a} steps)")
     if a and b and a != b:
         return f" (unequal training: {a} vs {b} steps, which favours the longer run)"
     return ""

@@ -797,6 +797,34 @@ def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cac
     assert "round_ends" not in s2["results"]["dspark"]
 
 
+def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cache_dir, target, tmp_path):
+    import shutil
+
+    from dspark.dspark_drafter.checkpoint import warm_start
+    from pipelines.drafter_report import build_report
+
+    torch.manual_seed(0)
+    model = drafter_with_live_heads(target)
+    save_checkpoint(tmp_path / "ck", model, Fingerprint.of(target), dtype=torch.float32, extra={"training": {"steps": 70}})
+    parallel = build_model(DSparkConfig(**{**model.cfg.to_dict(), "markov_rank": 0}), target.model)
+    warm_start(parallel, tmp_path / "ck", target)  # what `--init-from ck` with markov_rank 0 trains from
+    with torch.no_grad():  # its training, stood in for by a nudge: it no longer equals ck with the bias off
+        for p in parallel.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    init_from = {"checkpoint": str(tmp_path / "ck"), "steps": 70}
+    save_checkpoint(tmp_path / "abl", parallel, Fingerprint.of(target), dtype=torch.float32,
+                    extra={"training": {"steps": 30, "init_from": init_from}})
+    work = tmp_path / "work"
+    shutil.copytree(cache_dir, work / "cache" / "eval")
+    rd = CacheReader(work / "cache" / "eval")
+
+    s = build_report({"target": "tiny", "seed": 0, "work_dir": str(work)}, tmp_path / "report", tmp_path / "ck", tmp_path / "abl", None, stride=1)
+    want = evaluate(parallel, rd, list(range(len(rd.rows))), stride=1).tau_by_domain(decoded=True)
+    assert s["results"]["parallel"]["tau"] == pytest.approx(want)  # the checkpoint, not the bias switched off
+    assert s["results"]["parallel"]["label"].startswith("parallel-only (the Markov head removed from ck, 70 steps, then 30 steps")
+    assert "the ablation continued ck's 70 steps for 30 more" in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_threshold_sweep_per_round_walks_the_policy():
     from pipelines.drafter_report import threshold_sweep
 
