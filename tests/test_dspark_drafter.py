@@ -427,25 +427,35 @@ def resized(model, target, **arch):
     return build_model(DSparkConfig(**{**model.cfg.to_dict(), **arch}), target.model)
 
 
+def nudge(model) -> None:
+    """Trained-looking weights: every head active, zero-initialised ones included."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+def assert_same_drafter(got, want) -> None:
+    """Teacher-forced logits and confidences of two drafters agree on the same random block."""
+    ctx, valid = rand_ctx(want)
+    tokens = torch.randint(3, 96, (3, want.cfg.gamma + 1))
+    with torch.no_grad():
+        want_logits, want_conf = want.teacher_forced(ctx, valid, tokens)
+        got_logits, got_conf = got.teacher_forced(ctx, valid, tokens)
+    torch.testing.assert_close(got_logits, want_logits)
+    torch.testing.assert_close(got_conf, want_conf)
+
+
 @pytest.mark.parametrize("old_rank", [0, 4])
 def test_a_warm_start_may_grow_layers_and_markov_rank_and_starts_as_the_same_drafter(tmp_path, target, old_rank):
     from dspark.dspark_drafter.checkpoint import warm_start
 
     small = resized(make_model(target), target, num_layers=1, markov_rank=old_rank)
-    with torch.no_grad():  # trained-looking weights: every head active
-        for p in small.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    nudge(small)
     save_checkpoint(tmp_path / "small", small, Fingerprint.of(target), dtype=torch.float32)
     big = resized(small, target, num_layers=2, markov_rank=8)
     warm_start(big, tmp_path / "small", target)
 
-    ctx, valid = rand_ctx(small)
-    tokens = torch.randint(3, 96, (3, small.cfg.gamma + 1))
-    with torch.no_grad():
-        want_logits, want_conf = small.teacher_forced(ctx, valid, tokens)
-        got_logits, got_conf = big.teacher_forced(ctx, valid, tokens)
-    torch.testing.assert_close(got_logits, want_logits)
-    torch.testing.assert_close(got_conf, want_conf)
+    assert_same_drafter(big, small)
     assert big.layers[1].q_proj.weight.abs().sum() > 0  # the new layer trains from a real init
     assert big.markov_w1.weight[:, old_rank:].abs().sum() > 0
 
@@ -459,9 +469,7 @@ def test_a_warm_start_to_rank_0_is_the_drafter_with_its_markov_head_silenced(tmp
     from dspark.dspark_drafter.checkpoint import warm_start
 
     trained = resized(make_model(target), target, markov_rank=4)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    nudge(trained)
     save_checkpoint(tmp_path / "trained", trained, Fingerprint.of(target), dtype=torch.float32)
     parallel = resized(trained, target, markov_rank=0)
     warm_start(parallel, tmp_path / "trained", target)
@@ -469,13 +477,7 @@ def test_a_warm_start_to_rank_0_is_the_drafter_with_its_markov_head_silenced(tmp
         trained.markov_w2.zero_()
         trained.conf_head.weight[:, trained.cfg.hidden_size:] = 0.0
 
-    ctx, valid = rand_ctx(trained)
-    tokens = torch.randint(3, 96, (3, trained.cfg.gamma + 1))
-    with torch.no_grad():
-        want_logits, want_conf = trained.teacher_forced(ctx, valid, tokens)
-        got_logits, got_conf = parallel.teacher_forced(ctx, valid, tokens)
-    torch.testing.assert_close(got_logits, want_logits)
-    torch.testing.assert_close(got_conf, want_conf)
+    assert_same_drafter(parallel, trained)
     with pytest.raises(ValueError, match="drop to 0"):  # other ranks still only grow
         warm_start(resized(trained, target, markov_rank=2), tmp_path / "trained", target)
 
