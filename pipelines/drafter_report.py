@@ -172,9 +172,11 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
     if ablation is not None and (ablation / "config.json").is_file():
         abl, abl_ck = load_model_for_target(ablation, target, dtype=torch.float32)
         steps["parallel"] = _trained_steps(abl_ck)
-        source = _warm_source(abl_ck)
-        if source:  # started --init-from a drafter with a Markov head (markov_rank 0 drops it)
+        origin = markov_origin(_warm_source(abl_ck))
+        if origin:  # started --init-from a drafter with a Markov head (markov_rank 0 drops it)
+            source, steps_between = origin
             steps["parallel_from"] = source
+            steps["parallel"] = (steps["parallel"] or 0) + steps_between
             label = (f"parallel-only (the Markov head removed from {Path(source['checkpoint']).name}, "
                      f"{source.get('steps')} steps, then {steps['parallel']} steps without it){vocab_note}")
         else:
@@ -257,6 +259,19 @@ def _trained_steps(ck) -> int | None:
 def _warm_source(ck) -> dict | None:
     """The checkpoint a run started from (`--init-from`) as its card records it, or None."""
     return ((ck.extra or {}).get("training") or {}).get("init_from")
+
+
+def markov_origin(init_from: dict | None) -> tuple[dict, int] | None:
+    """Where a warm-started ablation's Markov head was removed: the `init_from` record (see
+    `pipelines.train_drafter.stage_train`) of the last drafter with a head along the chain of
+    warm starts, and the steps trained without it before the ablation's own run. Records from
+    before session 47 carry no `markov_rank`: their direct source is taken as that drafter."""
+    steps_between = 0
+    source = init_from
+    while source and source.get("markov_rank") == 0 and source.get("init_from"):
+        steps_between += int(source.get("steps") or 0)
+        source = source["init_from"]
+    return (source, steps_between) if source else None
 
 
 def _steps_label(steps: int | None) -> str:

@@ -202,7 +202,11 @@ def stage_train(
                 save_draft_vocab(state_dir(cfg, work), ids)
                 grown = f", grown to {len(ids)} with the next most frequent train-answer tokens" if len(ids) > len(ck.draft_vocab) else ""
                 log(f"train: over the draft vocabulary of {init_from} ({len(ck.draft_vocab)} tokens{grown})")
-            before = {k: (ck.extra.get("training") or {}).get(k) for k in ("steps", "wall_s", "cpu_hours", "train_sequences")}
+            training = ck.extra.get("training") or {}
+            before = {k: training.get(k) for k in ("steps", "wall_s", "cpu_hours", "train_sequences")}
+            # the source's own head and origin: a chain of warm starts (e.g. a Markov drafter ->
+            # markov_rank 0 -> more steps) stays traceable to where the Markov head was removed
+            before |= {"markov_rank": ck.config.markov_rank, "init_from": training.get("init_from")}
             # the calibrate stage copies this into the card: the cost of a warm start includes its source's
             (state_dir(cfg, work) / "init_from.json").write_text(json.dumps({"checkpoint": str(init_from), **before}, indent=1))
             log(f"train: starting from the weights of {init_from} ({before['steps']} steps, {before['cpu_hours'] or 0:.2f} CPU h there)")

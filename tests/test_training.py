@@ -450,7 +450,9 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     rd = CacheReader(cache_dir)
     train(source, rd, list(range(len(rd.rows))), TrainConfig(steps=4, batch_size=8, warmup=1, eval_every=1000, autocast_bf16=False),
           tmp_path / "source-state", progress=False, log=lambda m: None)
-    save_checkpoint(tmp_path / "ck", source, Fingerprint.of(target), extra={"training": {"steps": 4, "cpu_hours": 0.01}}, dtype=torch.float32)
+    origin = {"checkpoint": "earlier-ck", "steps": 9, "markov_rank": 16}
+    save_checkpoint(tmp_path / "ck", source, Fingerprint.of(target), extra={"training": {"steps": 4, "cpu_hours": 0.01, "init_from": origin}},
+                    dtype=torch.float32)
 
     work = tmp_path / "work"
     shutil.copytree(cache_dir, work / "cache" / "train")
@@ -462,7 +464,9 @@ def test_a_fresh_train_run_can_start_from_a_checkpoint(cache_dir, target, tmp_pa
     state = load_file(str(work / "runs" / "dspark" / "state.safetensors"))
     for k, v in source.state_dict().items():
         torch.testing.assert_close(state[f"model.{k}"], v)  # 0 steps: exactly the checkpoint's weights
-    assert json.loads((work / "runs" / "dspark" / "init_from.json").read_text())["steps"] == 4
+    began = json.loads((work / "runs" / "dspark" / "init_from.json").read_text())
+    # the source's steps, head and own origin: a chain of warm starts stays traceable
+    assert (began["steps"], began["markov_rank"], began["init_from"]) == (4, 16, origin)
     assert any("starting from the weights" in line for line in lines)
     lines.clear()
     stage_train(cfg, target, work, lines.append, None, progress=False, init_from=tmp_path / "ck")
@@ -823,6 +827,19 @@ def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cac
     assert s["results"]["parallel"]["tau"] == pytest.approx(want)  # the checkpoint, not the bias switched off
     assert s["results"]["parallel"]["label"].startswith("parallel-only (the Markov head removed from ck, 70 steps, then 30 steps")
     assert "the ablation continued ck's 70 steps for 30 more" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_an_ablation_warm_started_twice_is_traced_to_where_the_markov_head_was_removed():
+    from pipelines.drafter_report import markov_origin
+
+    shipped = {"checkpoint": "ck/shipped", "steps": 22909, "markov_rank": 64, "init_from": {"checkpoint": "ck/run5", "steps": 34000}}
+    first = {"checkpoint": "ck/r0", "steps": 6000, "markov_rank": 0, "init_from": shipped}
+    # an ablation started from `first`: the head came off `shipped`, then 6000 steps before its own run
+    assert markov_origin(first) == (shipped, 6000)
+    assert markov_origin(shipped) == (shipped, 0)
+    legacy = {"checkpoint": "ck/r0", "steps": 6000}  # recorded before the head was: its direct source
+    assert markov_origin(legacy) == (legacy, 0)
+    assert markov_origin(None) is None
 
 
 def test_threshold_sweep_per_round_walks_the_policy():
