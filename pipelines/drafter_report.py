@@ -66,42 +66,57 @@ def threshold_sweep(
     return np.array(tps), np.array(rate), np.array(ver)
 
 
+def _legend_below(ax, below: float = -0.1, width: int = 90) -> None:
+    """The legend under the axes, labels wrapped: drafter labels run to a hundred characters,
+    and a legend inside the axes squeezed the plot and hid the bars."""
+    import textwrap
+
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, [textwrap.fill(label, width) for label in labels], fontsize=7, frameon=False,
+              loc="upper center", bbox_to_anchor=(0.5, below))
+
+
+def plot_tau_per_domain(path: Path, results: dict, gamma: int) -> None:
+    import matplotlib.pyplot as plt
+
+    doms = [d for d in results["dspark"]["tau"] if d != "all"] + ["all"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
+    w = 0.8 / len(results)
+    for i, res in enumerate(results.values()):
+        offset = (i - (len(results) - 1) / 2) * w
+        ax.bar(np.arange(len(doms)) + offset, [res["tau"].get(d, np.nan) for d in doms], w, label=res["label"])
+    ax.set_xticks(np.arange(len(doms)), doms)
+    ax.set_ylabel(f"tau (greedy, gamma {gamma})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    _legend_below(ax)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_per_position(path: Path, results: dict, gamma: int) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
+    for res in results.values():
+        ax.plot(np.arange(1, gamma + 1), res["per_position"], marker="o", label=res["label"])
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    _legend_below(ax, below=-0.18)  # under the x label
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
-    # 1. tau per domain
-    doms = [d for d in results["dspark"]["tau"] if d != "all"] + ["all"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    w = 0.8 / len(results)
-    for i, (name, res) in enumerate(results.items()):
-        offset = (i - (len(results) - 1) / 2) * w
-        ax.bar(np.arange(len(doms)) + offset, [res["tau"].get(d, np.nan) for d in doms], w, label=res["label"])
-    ax.set_xticks(np.arange(len(doms)), doms)
-    ax.set_ylabel(f"tau (greedy, gamma {gamma})")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    top = max(v for res in results.values() for v in res["tau"].values())
-    ax.set_ylim(0, top * (1.2 + 0.1 * len(results)))  # head room: the legend sits above the bars
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out / "tau_per_domain.png", dpi=120)
-    files.append("tau_per_domain.png")
-    plt.close(fig)
-    # 2. per-position conditional acceptance
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for res in results.values():
-        ax.plot(np.arange(1, gamma + 1), res["per_position"], marker="o", label=res["label"])
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "per_position_acceptance.png", dpi=120)
-    files.append("per_position_acceptance.png")
-    plt.close(fig)
+    # 1. tau per domain, 2. per-position conditional acceptance
+    plot_tau_per_domain(out / "tau_per_domain.png", results, gamma)
+    plot_per_position(out / "per_position_acceptance.png", results, gamma)
+    files = ["tau_per_domain.png", "per_position_acceptance.png"]
     # 3. threshold sweep
     sw = results["dspark"]["sweep"]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
