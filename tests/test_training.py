@@ -801,7 +801,8 @@ def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cac
     assert "round_ends" not in s2["results"]["dspark"]
 
 
-def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cache_dir, target, tmp_path):
+@pytest.mark.parametrize("chained", [False, True], ids=["direct", "via-another-ablation"])
+def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cache_dir, target, tmp_path, chained):
     import shutil
 
     from dspark.dspark_drafter.checkpoint import warm_start
@@ -816,6 +817,9 @@ def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cac
         for p in parallel.parameters():
             p.add_(0.5 * torch.randn_like(p))
     init_from = {"checkpoint": str(tmp_path / "ck"), "steps": 70}
+    if chained:  # started from an ablation of ck that had trained 20 steps without the head
+        init_from = {"checkpoint": str(tmp_path / "abl-20"), "steps": 20, "markov_rank": 0, "init_from": init_from}
+    without = 30 + 20 * chained
     save_checkpoint(tmp_path / "abl", parallel, Fingerprint.of(target), dtype=torch.float32,
                     extra={"training": {"steps": 30, "init_from": init_from}})
     work = tmp_path / "work"
@@ -825,8 +829,8 @@ def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cac
     s = build_report({"target": "tiny", "seed": 0, "work_dir": str(work)}, tmp_path / "report", tmp_path / "ck", tmp_path / "abl", None, stride=1)
     want = evaluate(parallel, rd, list(range(len(rd.rows))), stride=1).tau_by_domain(decoded=True)
     assert s["results"]["parallel"]["tau"] == pytest.approx(want)  # the checkpoint, not the bias switched off
-    assert s["results"]["parallel"]["label"].startswith("parallel-only (the Markov head removed from ck, 70 steps, then 30 steps")
-    assert "the ablation continued ck's 70 steps for 30 more" in (tmp_path / "report" / "report.md").read_text()
+    assert s["results"]["parallel"]["label"].startswith(f"parallel-only (the Markov head removed from ck, 70 steps, then {without} steps")
+    assert f"the ablation continued ck's 70 steps for {without} more" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_an_ablation_warm_started_twice_is_traced_to_where_the_markov_head_was_removed():
