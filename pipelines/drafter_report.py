@@ -7,7 +7,8 @@ Writes DIR/report.md and PNG plots:
   conditional acceptance (Fig. 2); a threshold sweep of tokens per step (per round) and
   acceptance rate (Fig. 5); reliability diagrams with ECE and
   ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6).
-  With a copy prior in the checkpoint, tau rows with and without it.
+  With a copy prior in the checkpoint, tau rows with and without it. DIR/report.json holds every
+  figure and what the plots are drawn from: `--replot DIR` redraws them without evaluating.
 
 Everything is computed from cached target states of the eval split (no engine run): the
 drafter's free-running greedy chain is compared with the target's argmax at every block
@@ -132,7 +133,9 @@ def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
     fig.savefig(out / "threshold_sweep.png", dpi=120)
     files.append("threshold_sweep.png")
     plt.close(fig)
-    # 4. reliability diagrams
+    # 4. reliability diagrams (reports written before session 48 kept no bins)
+    if not all("freq" in sts.get(key, {}) for key in ("before", "after")):
+        return files
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
     for ax, key, title in zip(axes, ("before", "after"), ("raw confidence head", "calibrated")):
         r = sts[key]
@@ -149,6 +152,18 @@ def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
     fig.savefig(out / "reliability.png", dpi=120)
     files.append("reliability.png")
     plt.close(fig)
+    return files
+
+
+def replot(out: Path) -> list[str]:
+    """Redraw the PNGs and report.md of a report folder from its report.json (no evaluation):
+    after a change to the plots, or to render a report copied from another machine. A
+    report.json written before session 48 has no reliability bins: that diagram is kept."""
+    s = json.loads((out / "report.json").read_text())
+    files = _plots(out, s["results"], s["calibration"], s["gamma"])
+    if "reliability.png" not in files and (out / "reliability.png").is_file():
+        files.append("reliability.png")
+    (out / "report.md").write_text(_markdown(s, files))
     return files
 
 
@@ -257,7 +272,7 @@ def build_report(cfg: dict, out: Path, checkpoint: Path, ablation: Path | None, 
         "offsets": ck.offsets,
         "copy_prior": None if copy is None else copy.to_dict(),
         "results": results,
-        "calibration": {k: {kk: v[kk] for kk in ("ece", "auc")} for k, v in sts.items()},
+        "calibration": sts,  # ECE, AUC and the reliability bins: `--replot` redraws the diagrams from them
         "eval_seconds": eval_s,
         "training": (ck.extra or {}).get("training"),
         "trained_steps": steps,
@@ -532,7 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=int, default=None)
     ap.add_argument("--card", help="also write the checkpoint card (Markdown) to this path")
     ap.add_argument("--train-command", default="python -m pipelines.train_drafter --config configs/train_smollm2.yaml")
+    ap.add_argument("--replot", metavar="DIR", help="only redraw DIR's plots and report.md from its report.json (no evaluation)")
     args = ap.parse_args(argv)
+    if args.replot:
+        files = replot(Path(args.replot))
+        print(f"redrew {', '.join(files)} and report.md in {args.replot}")
+        return 0
     from pipelines.train_drafter import load_config
 
     cfg = load_config(args.config)
@@ -542,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else work / "report"
     s = build_report(cfg, out, checkpoint, ablation, args.max_blocks, args.stride)
     print(json.dumps({k: v["tau"] for k, v in s["results"].items()}, indent=1))
-    print(json.dumps(s["calibration"]))
+    print(json.dumps({k: {m: v[m] for m in ("ece", "auc")} for k, v in s["calibration"].items()}))
     print(f"report: {out / 'report.md'}")
     if args.card:
         write_card(Path(args.card), s, args.train_command)

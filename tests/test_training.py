@@ -801,6 +801,44 @@ def test_drafter_report_gives_tau_per_round_and_the_anchor_average_beside_it(cac
     assert "round_ends" not in s2["results"]["dspark"]
 
 
+def test_a_report_is_redrawn_from_its_json_alone(cache_dir, target, tmp_path):
+    """report.json keeps what every plot needs (the reliability bins included), so `--replot`
+    redraws the PNGs and report.md without evaluating again."""
+    import shutil
+
+    from pipelines.drafter_report import build_report, main
+
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ck", drafter_with_live_heads(target), Fingerprint.of(target), dtype=torch.float32)
+    shutil.copytree(cache_dir, tmp_path / "work" / "cache" / "eval")
+    out = tmp_path / "report"
+    build_report({"target": "tiny", "seed": 0, "work_dir": str(tmp_path / "work")}, out, tmp_path / "ck", None, None, stride=1)
+    md = (out / "report.md").read_text()
+    saved = json.loads((out / "report.json").read_text())["calibration"]
+    for key in ("before", "after"):  # ten bins of mean predicted survival, observed frequency, count
+        assert len(saved[key]["freq"]) == len(saved[key]["pred"]) == len(saved[key]["count"]) == 10
+        assert sum(saved[key]["count"]) > 0
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert "reliability.png" in pngs
+    for p in out.glob("*.png"):
+        p.unlink()
+    (out / "report.md").unlink()
+
+    assert main(["--replot", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == pngs
+    assert (out / "report.md").read_text() == md
+
+    # a report.json from before the bins were kept: the other plots are redrawn, the diagram kept
+    old = json.loads((out / "report.json").read_text())
+    old["calibration"] = {k: {m: v[m] for m in ("ece", "auc")} for k, v in old["calibration"].items()}
+    (out / "report.json").write_text(json.dumps(old))
+    (out / "reliability.png").write_bytes(b"kept")
+    (out / "tau_per_domain.png").unlink()
+    assert main(["--replot", str(out)]) == 0
+    assert (out / "reliability.png").read_bytes() == b"kept" and (out / "tau_per_domain.png").is_file()
+    assert (out / "report.md").read_text() == md
+
+
 @pytest.mark.parametrize("chained", [False, True], ids=["direct", "via-another-ablation"])
 def test_drafter_report_names_an_ablation_warm_started_from_a_markov_drafter(cache_dir, target, tmp_path, chained):
     import shutil
