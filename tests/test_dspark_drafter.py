@@ -578,6 +578,27 @@ def test_plugin_branches_with_three_candidates(target):
     assert all(0.0 <= c <= 1.0 for c in tree.confidence)
 
 
+
+def test_chain_spec_drafts_the_main_chain_of_the_tree(tmp_path, target):
+    """`dspark-chain` is the same drafter without branches: its chain is the tree's first-child path."""
+    from dspark.drafters import make_drafter
+
+    save_checkpoint(tmp_path / "ck", make_model(target), Fingerprint.of(target), dtype=torch.float32)
+    trees = []
+    for spec in (f"dspark:{tmp_path / 'ck'}", f"dspark-chain:{tmp_path / 'ck'}"):
+        drafter = make_drafter(spec, target)
+        req = DraftRequest(0, [5, 6, 7], SamplingParams())
+        drafter.start(req, fake_hidden(drafter, 2))
+        trees.append(drafter.propose([req], 4)[0])
+    tree, chain = trees
+    assert not tree.is_chain()  # the random tiny drafter's top choices are close: it branches
+    assert chain.is_chain() and len(chain) == 4
+    kids, node, main = tree.children(), -1, []
+    while kids[node + 1]:  # kids[0]: the anchor's children
+        node = kids[node + 1][0]
+        main.append(tree.tokens[node])
+    assert chain.tokens == main
+
 def test_plugin_sampling_chain_has_distributions(target):
     drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3)
     req = DraftRequest(0, [5, 6, 7], SamplingParams(temperature=0.8, top_k=20))

@@ -8,6 +8,8 @@
                          drafting from the checkpoint's reduced vocabulary when it has one
     dspark-full[:PATH]   the same drafter over the whole vocabulary (for comparisons)
     dspark-nocopy[:PATH] the same drafter without its copy prior (for comparisons)
+    dspark-chain[:PATH]  the same drafter proposing chains only, no branches (the paper's
+                         block; for comparisons)
     A+B[+...]            every listed drafter each round, their trees merged into one
                          (e.g. dspark+ngram: the block drafter plus lookup in the whole prompt)
 """
@@ -43,11 +45,12 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
 
         draft = load_model(arg, device=str(target.device), dtype=target.dtype)
         return DraftModelDrafter(draft, target)
-    if name in ("dspark", "dspark-full", "dspark-nocopy"):
-        from dspark.dspark_drafter import load_drafter  # the trained block drafter (issue 3)
+    if name in ("dspark", "dspark-full", "dspark-nocopy", "dspark-chain"):
+        from dspark.dspark_drafter import DrafterOptions, load_drafter  # the trained block drafter (issue 3)
 
-        return load_drafter(arg or None, target, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")
+        options = DrafterOptions(branch_width=1) if name == "dspark-chain" else None
+        return load_drafter(arg or None, target, options=options, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")
     raise ValueError(
         f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH], "
-        "dspark-nocopy[:PATH] or a union A+B"
+        "dspark-nocopy[:PATH], dspark-chain[:PATH] or a union A+B"
     )
