@@ -38,8 +38,11 @@ from dspark.models import TargetModel, cache_root
 LOG = logging.getLogger(__name__)
 
 # Widths (tokens per row) profiled: dense where verify rounds live (the CPU kernels change at
-# 3 -> 4 rows), wider ones extrapolate linearly from the last two.
-PROFILE_WIDTHS = (1, 2, 3, 4, 5, 6, 8)
+# 3 -> 4 rows), then up to the widest block a drafter's tree reaches (24 nodes + the anchor);
+# wider ones extrapolate linearly from the last two. Widths only up to 8 priced a 14-token
+# block like an 8-token one on the 2-core CPU (40.8 ms by the table, 57 ms measured: the flat
+# stretch from 6 to 8 extrapolated), so the scheduler verified whole trees at batch 1.
+PROFILE_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 25)
 # Cached tokens per row while profiling: about a prompt plus part of its answer.
 PROFILE_CONTEXT = 512
 # Timing passes per row count: at least `reps`, more while under this many seconds (one row

@@ -212,6 +212,16 @@ def test_cost_table_profiled_on_a_busy_machine_is_measured_again(tmp_path, monke
     assert json.loads(path.read_text())["seconds"][0][0] < data["seconds"][0][0]
 
 
+def test_cost_table_measures_the_widest_tree_the_dspark_drafter_proposes():
+    """Blocks wider than the table's widest are extrapolated from its last two widths, which on
+    CPU sit on the flat part of the curve: the drafter's largest tree (its node cap plus the
+    anchor) must be among the widths measured, or the scheduler verifies it as if it were free."""
+    from dspark import cost_model
+    from dspark.dspark_drafter import DrafterOptions
+
+    assert max(cost_model.PROFILE_WIDTHS) >= DrafterOptions().max_nodes + 1
+
+
 def test_batch_cost_table_interpolates_along_widths_then_rows_and_is_monotone():
     t = BatchCostTable.monotone([1, 4], [1, 2, 4], [[0.010, 0.009, 0.014], [0.020, 0.030, 0.050]], context=64)
     assert t.seconds == ((0.010, 0.010, 0.014), (0.020, 0.030, 0.050))  # noise never makes a width cheaper
