@@ -578,7 +578,6 @@ def test_plugin_branches_with_three_candidates(target):
     assert all(0.0 <= c <= 1.0 for c in tree.confidence)
 
 
-
 def test_chain_spec_drafts_the_main_chain_of_the_tree(tmp_path, target):
     """`dspark-chain` is the same drafter without branches: its chain is the tree's first-child path."""
     from dspark.drafters import make_drafter
@@ -598,6 +597,7 @@ def test_chain_spec_drafts_the_main_chain_of_the_tree(tmp_path, target):
         node = kids[node + 1][0]
         main.append(tree.tokens[node])
     assert chain.tokens == main
+
 
 def test_plugin_sampling_chain_has_distributions(target):
     drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3)
