@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("models and engine")
     model.add_argument("--target", metavar="NAME_OR_PATH",
                        help="target model: smollm2-135m-instruct (embedded), a local HF folder (safetensors) or a .gguf file")
-    model.add_argument("--drafter", metavar="NAME", help="ngram[:N], draft-model:PATH, dspark[:PATH], none, or a union such as dspark+ngram (default: ngram)")
+    model.add_argument("--drafter", metavar="NAME", help="ngram[:MAX[:MIN]], draft-model:PATH, dspark[:PATH] (the trained block drafter), "
+        "dspark-chain / dspark-nocopy / dspark-full[:PATH] (its variants, for comparisons), none, "
+        "or a union such as dspark+ngram (default: ngram; README, Drafters)")
     model.add_argument("--scheduler", metavar="NAME",
                        help="verification scheduler: dspark[:MAX_DEPTH], ar (no speculation), fixed:K, threshold:T, util "
                        "(default: dspark)")

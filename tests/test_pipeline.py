@@ -143,10 +143,12 @@ def test_shard_metrics_match_generations(main_job):
         else:
             assert m["device"] and m["gpu_util_mean"] is None and m["gpu_mem_peak_bytes"] is None
         assert m["rss_peak_bytes"] > 0
+        assert m["dtype"] == "float32"  # the job ran with --dtype float32
     assert metrics[str(main_job["root"] / "in" / "b.parquet")]["num_duplicate_ids"] == 1
     totals = read_summary(out)["totals"]
     assert totals["num_records"] == sum(len(r) for r in main_job["shards"].values())
     assert totals["output_tokens"] == sum(g["num_output_tokens"] for g in gens)
+    assert totals["dtype"] == "float32"
     counters = read_summary(out)["beam_counters"]
     assert counters["dspark.rows_read"] == totals["num_records"]
     assert counters["dspark.output_tokens"] == totals["output_tokens"]

@@ -148,8 +148,8 @@ def test_shard_metrics_from_events():
         ("fail", ErrorType.NULL_ID),
         ("fail", ErrorType.EMPTY_TEXT),
         ("fail", ErrorType.GENERATION_ERROR),
-        ("batch", BatchReport("s", 3, wall_s=2.0, device="cpu", cpu_util_mean=0.5, rss_peak_bytes=100)),
-        ("batch", BatchReport("s", 2, wall_s=1.0, device="cpu", cpu_util_mean=0.8, rss_peak_bytes=300)),
+        ("batch", BatchReport("s", 3, wall_s=2.0, device="cpu", dtype="bfloat16", cpu_util_mean=0.5, rss_peak_bytes=100)),
+        ("batch", BatchReport("s", 2, wall_s=1.0, device="cpu", dtype="bfloat16", cpu_util_mean=0.8, rss_peak_bytes=300)),
     ]
     # split over two accumulators, as a distributed combine would
     a, b = fn.create_accumulator(), fn.create_accumulator()
@@ -165,7 +165,7 @@ def test_shard_metrics_from_events():
     assert m["mean_verify_budget"] == pytest.approx(8 / 15)
     assert m["p50_latency_s"] == pytest.approx(2.0) and m["p99_latency_s"] == pytest.approx(2.98)
     assert m["cpu_util_mean"] == pytest.approx((0.5 * 2 + 0.8 * 1) / 3)
-    assert m["rss_peak_bytes"] == 300 and m["device"] == "cpu"
+    assert m["rss_peak_bytes"] == 300 and m["device"] == "cpu" and m["dtype"] == "bfloat16"
     assert m["gpu_util_mean"] is None and m["gpu_mem_peak_bytes"] is None
 
 

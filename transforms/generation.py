@@ -288,7 +288,7 @@ class GenerateBatchDoFn(beam.DoFn):
         def load() -> _SharedGenerator:
             started = time.perf_counter()
             holder = _SharedGenerator(self.generator_factory(self.engine))
-            LOG.info("Loaded %s in %.1f s on %s", self.engine, time.perf_counter() - started, holder.device)
+            LOG.info("Loaded %s in %.1f s on %s in %s", self.engine, time.perf_counter() - started, holder.device, holder.dtype)
             return holder
 
         self._holder = self._shared.acquire(load, tag=self.engine.key())
@@ -378,7 +378,7 @@ class GenerateBatchDoFn(beam.DoFn):
         encoded, dead = self._encode(rows)
         results = self._generate(encoded)
         wall_s = time.perf_counter() - started
-        usage = sampler.stop()
+        usage = {**sampler.stop(), "dtype": self._holder.dtype}
         tokens_by_shard: dict[str, int] = {}
         for item, result in zip(encoded, results):
             if isinstance(result, Exception):
@@ -434,6 +434,8 @@ class _SharedGenerator:
         self.lock = threading.Lock()
         target = getattr(generator, "target", None)
         self.device = getattr(target, "device", None)
+        dtype = getattr(target, "dtype", None)  # `auto` resolved: whether a run is bit-exact depends on it
+        self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
 
     def no_speculation(self) -> Any:
         """The same target without a drafter (AR decoding, one row at a time), built on first use

@@ -120,6 +120,7 @@ def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
     """The `shard_metrics` row (column order and names: transforms.schema.SHARD_METRIC_COLUMNS)."""
     s = acc.stats
     devices = sorted({b.device for b in acc.batches if b.device})
+    dtypes = sorted({b.dtype for b in acc.batches if b.dtype})
     return {
         "shard": shard,
         "num_records": acc.records,
@@ -136,6 +137,7 @@ def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
         "p50_latency_s": percentile(acc.latencies, 50),
         "p99_latency_s": percentile(acc.latencies, 99),
         "device": ", ".join(devices) if devices else None,
+        "dtype": ", ".join(dtypes) if dtypes else None,
         "gpu_util_mean": time_weighted_mean(acc.batches, "gpu_util_mean"),
         "gpu_mem_peak_bytes": peak(acc.batches, "gpu_mem_peak_bytes"),
         "cpu_util_mean": time_weighted_mean(acc.batches, "cpu_util_mean"),

@@ -106,6 +106,7 @@ class BatchReport:
     num_rows: int
     wall_s: float
     device: str | None = None
+    dtype: str | None = None  # the dtype the target ran in (`auto` resolved)
     gpu_util_mean: float | None = None
     gpu_mem_peak_bytes: int | None = None
     cpu_util_mean: float | None = None

@@ -41,6 +41,7 @@ SHARD_METRIC_COLUMNS = (
     "p50_latency_s",
     "p99_latency_s",
     "device",
+    "dtype",
     "gpu_util_mean",
     "gpu_mem_peak_bytes",
     "cpu_util_mean",
@@ -99,7 +100,7 @@ def generations_schema(id_type: pa.DataType, kept: pa.Schema | None = None, trun
 
 def shard_metrics_schema() -> pa.Schema:
     ints = {"num_records", "num_ok", "num_failed", "num_duplicate_ids", "output_tokens", "gpu_mem_peak_bytes", "rss_peak_bytes"}
-    strings = {"shard", "device"}
+    strings = {"shard", "device", "dtype"}
     return pa.schema(
         [pa.field(c, pa.string() if c in strings else pa.int64() if c in ints else pa.float64()) for c in SHARD_METRIC_COLUMNS]
     )

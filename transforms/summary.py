@@ -90,6 +90,8 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
         "acceptance_rate": ratio(c("accepted"), c("verified")),
         "correction_rate": ratio(c("verified") - c("accepted"), c("verified")),
         "mean_verify_budget": ratio(c("verified"), c("rounds")),
+        # what `--dtype auto` became on the workers (shard files of runs before this column have none)
+        "dtype": ", ".join(sorted({m["dtype"] for m in metrics if m.get("dtype")})) or None,
         "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),
     }
     return {

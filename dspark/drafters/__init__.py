@@ -1,7 +1,7 @@
 """Drafter registry: build a drafter from its name.
 
     none                 no drafting (plain autoregressive)
-    ngram[:MAX[:MIN]]    model-free context lookup of the last MAX..MIN tokens (default 4..2),
+    ngram[:MAX[:MIN]]    model-free context lookup of the last MAX..MIN tokens (default 4..1),
                          multi-candidate trees
     draft-model:PATH     a smaller causal LM sharing the target's tokenizer (dir or .gguf)
     dspark[:PATH]        the trained DSpark block drafter (default: the shipped checkpoint),

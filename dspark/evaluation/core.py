@@ -5,7 +5,7 @@ Methods:
     hf-pld             transformers prompt lookup decoding (batch 1 only)
     ar                 this engine without speculation
     SCHED[@DRAFTER]    this engine with a scheduler (fixed:K, threshold:T, util, dspark) and a
-                       drafter (ngram, draft-model:PATH, dspark[:PATH]; default ngram)
+                       drafter (any spec of dspark.drafters.make_drafter; default ngram)
 
 All methods see the same prompts. Work is interleaved batch by batch, rotating the order of
 methods, so that noise on a shared machine hits every method alike.
