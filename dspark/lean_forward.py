@@ -57,12 +57,19 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # 5: q/k/v and gate/up run as one packed matmul each on CPU (`FusedProjections`).
 # 6: fewer small ops a layer (rotary embedding of q and k in one go, the norm's weight inside its
 #    call, the folded mask built once per forward).
-LEAN_FORWARD_VERSION = 6
+# 7: one-token steps fold their query groups on CPU in bfloat16 and float16 too.
+LEAN_FORWARD_VERSION = 7
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
 # verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
 # SDPA: there the two cost about the same, and copying the mask for every query head made an
 # 8-row, 512-token prefill's attention 20% slower (float32, 2-core EPYC).
 FOLD_MAX_TOKENS = 64
+# One-token steps fold only in reduced precision. SDPA's grouped kernel for a single query is
+# 4-7x slower in bfloat16 than over the 3 stacked queries of a fold (per attention call, 1-4
+# rows over 256-640 cached tokens on a 2-core AMD EPYC with AVX512-BF16; 16 rows over 640:
+# 8.1 -> 1.4 ms), which made bfloat16 decoding slower than float32 there. In float32 the
+# grouped kernel is the faster one (by 10-30%) and keeps its rounding.
+FOLD_ONE_TOKEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def lean_support(model: nn.Module) -> str | None:
@@ -116,7 +123,7 @@ def fold_mask(mask: torch.Tensor, n_rep: int) -> torch.Tensor:
     return mask.expand(b, n_rep, w, s).reshape(b, 1, n_rep * w, s)
 
 
-def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, folded_mask: torch.Tensor) -> torch.Tensor:
+def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, folded_mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention as plain SDPA over each KV head's stacked queries.
 
     The n_rep query heads that share a KV head are stacked along the query axis, [B, Hkv,
@@ -128,8 +135,8 @@ def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     transformers' expanded-KV attention. Time per layer for a block of 2 tokens: 16 rows over
     512 cached tokens in bfloat16 on the Xeon 0.91 -> 0.44 ms; 8 rows over 768 in float32 on
     the EPYC 1.18 -> 0.59 ms (3 tokens 1.67 -> 0.71, 8 tokens 1.90 -> 1.31). One-token steps
-    keep `enable_gqa`, its own kernel (faster there in float32, and the rounding transformers'
-    one-token steps have, which bfloat16 greedy outputs depend on)."""
+    fold only in bfloat16 and float16 (`FOLD_ONE_TOKEN_DTYPES`); in float32 they keep
+    `enable_gqa`, its own kernel, faster there. `folded_mask` None: every key is visible."""
     b, h, w, dh = q.shape
     hk = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(b, hk, h // hk * w, dh), keys, values, attn_mask=folded_mask)
@@ -193,7 +200,9 @@ class LeanDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = self.inner.layers[0].self_attn.head_dim
-        self.transformers_kernels = transformers_kernels(next(model.parameters()).device)
+        param = next(model.parameters())
+        self.transformers_kernels = transformers_kernels(param.device)
+        self.fold_one_token = param.dtype in FOLD_ONE_TOKEN_DTYPES
         # blocks of up to PACKED_MAX_ROWS tokens (decode and verify rounds) use them; longer
         # prefills keep the separate layers (MKL's kernels, where fusing is not checked)
         self.fused = None if self.transformers_kernels else fused_projections(model)
@@ -203,17 +212,22 @@ class LeanDecoder:
 
     def folds(self, mask: torch.Tensor | None, width: int) -> bool:
         """Whether a block of `width` tokens per row runs `fold_query_groups`."""
-        grouped = self.num_kv_heads != self.num_heads
-        return mask is not None and grouped and not self.transformers_kernels and 1 < width <= FOLD_MAX_TOKENS
+        if self.num_kv_heads == self.num_heads or self.transformers_kernels:
+            return False
+        if width == 1:  # with or without a mask: one query sees every key it is given
+            return self.fold_one_token
+        return mask is not None and width <= FOLD_MAX_TOKENS
 
-    def attention(self, q, keys, values, mask: torch.Tensor | None, is_causal: bool, folded_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attention(
+        self, q, keys, values, mask: torch.Tensor | None, is_causal: bool, fold: bool = False, folded_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q [B, H, W, dh], keys/values [B, Hkv, S + W, dh], mask [B, 1, W, S + W] -> [B, H, W, dh];
-        `folded_mask`: `fold_mask(mask)`, where the block `folds`."""
+        `fold`: the block `folds`, under `folded_mask` = `fold_mask(mask)` (None without a mask)."""
         grouped = self.num_kv_heads != self.num_heads
         n_rep = self.num_heads // self.num_kv_heads
         if mask is not None and grouped and self.transformers_kernels:
             return F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
-        if folded_mask is not None:
+        if fold:
             return fold_query_groups(q, keys, values, folded_mask)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped)
 
@@ -247,7 +261,8 @@ class LeanDecoder:
         x = self.inner.embed_tokens(layout.pack(ids))  # [T, d]: T = B * W, or the real tokens when packed
         cos, sin = self.inner.rotary_emb(x, position_ids)  # [B, W, dh]
         cos, sin = layout.pack(cos)[:, None], signed_sin(layout.pack(sin)[:, None])  # [T, 1, dh]: broadcast over heads
-        folded_mask = fold_mask(attention_mask, h // hk) if self.folds(attention_mask, ids.shape[1]) else None
+        fold = self.folds(attention_mask, ids.shape[1])
+        folded_mask = fold_mask(attention_mask, h // hk) if fold and attention_mask is not None else None
         want = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}
         n = len(self.inner.layers)
@@ -265,7 +280,7 @@ class LeanDecoder:
                 q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + hk) * dh :]
             v = v.reshape(-1, hk, dh)
             keys, values = cache.layers[i].update(layout.grid(k).transpose(1, 2), layout.grid(v).transpose(1, 2))  # [B, Hkv, S + W, dh]
-            o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal, folded_mask)  # [B, H, W, dh]
+            o = self.attention(layout.grid(q).transpose(1, 2), keys, values, attention_mask, is_causal, fold, folded_mask)  # [B, H, W, dh]
             x = x + attn.o_proj(layout.pack(o.transpose(1, 2)).reshape(-1, h * dh))
             y = self.norm(x, layer.post_attention_layernorm)
             if fused is None:
