@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "keep_columns": [],
     "chat": True,
     "target": "smollm2-135m-instruct",
-    "drafter": "dspark",
+    "drafter": "auto",
     "scheduler": "dspark",
     "dtype": "auto",
     "device": "auto",
@@ -63,7 +63,8 @@ Generate text for every row of a set of Parquet shards with the DSpark speculati
 engine, as an Apache Beam batch job (DirectRunner locally, DataflowRunner on Google Cloud).
 
 With no arguments: processes the sample shards bundled in data/sample_shards with the embedded
-SmolLM2-135M-Instruct target, its trained DSpark drafter and the DSpark scheduler, and writes ./out.
+SmolLM2-135M-Instruct target, its trained DSpark drafter (drafter auto) and the DSpark scheduler, and
+writes ./out.
 """
 
 EPILOG = """\
@@ -161,9 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("models and engine")
     model.add_argument("--target", metavar="NAME_OR_PATH",
                        help="target model: smollm2-135m-instruct (embedded), a local HF folder (safetensors) or a .gguf file")
-    model.add_argument("--drafter", metavar="NAME", help="ngram[:MAX[:MIN]], draft-model:PATH, dspark[:PATH] (the trained block drafter), "
+    model.add_argument("--drafter", metavar="NAME", help="auto (dspark where a checkpoint is shipped for the target, else ngram), "
+        "ngram[:MAX[:MIN]], draft-model:PATH, dspark[:PATH] (the trained block drafter), "
         "dspark-chain / dspark-nocopy / dspark-full[:PATH] (its variants, for comparisons), none, "
-        "or a union such as dspark+ngram (default: dspark, the shipped checkpoint; README, Drafters)")
+        "or a union such as dspark+ngram (default: auto; README, Drafters)")
     model.add_argument("--scheduler", metavar="NAME",
                        help="verification scheduler: dspark[:MAX_DEPTH], ar (no speculation), fixed:K, threshold:T, util "
                        "(default: dspark)")

@@ -281,6 +281,8 @@ def test_drafter_specs_name_their_settings(tiny_llama):
     assert isinstance(default, NgramDrafter) and (default.max_ngram, default.min_ngram) == (4, 1)
     assert (longer.max_ngram, longer.min_ngram) == (6, 1)
     assert (bigram.max_ngram, bigram.min_ngram) == (4, 2)
+    # auto: no DSpark drafter is shipped for this target, so n-gram lookup
+    assert isinstance(make_drafter("auto", tiny_llama), NgramDrafter)
     with pytest.raises(ValueError, match="unknown drafter"):
         make_drafter("ngrams", tiny_llama)
     with pytest.raises(ValueError, match="min_ngram"):

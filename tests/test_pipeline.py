@@ -268,6 +268,7 @@ def test_no_argument_default_end_to_end(tmp_path):
     assert all(g["output"].strip() and g["num_output_tokens"] >= 1 for g in gens)
     summary = read_summary(out)
     assert summary["config"]["target"] == "smollm2-135m-instruct" and summary["config"]["scheduler"] == "dspark"
-    assert summary["config"]["drafter"] == "dspark"  # the shipped checkpoint (issue 3: the default config uses it)
+    assert summary["config"]["drafter"] == "auto"
+    assert "Drafter auto -> dspark" in proc.stderr  # the shipped checkpoint (issue 3: the default config uses it)
     assert summary["totals"]["num_shards"] == 4 and summary["totals"]["mean_accepted_length"] >= 1.0
     assert "Done in" in proc.stderr

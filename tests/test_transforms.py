@@ -270,7 +270,7 @@ def test_flags_override_config_which_overrides_defaults(tmp_path):
     options, beam_flags = cli.resolve_options(["--config", str(cfg), "--scheduler", "fixed:4", "--batch-size", "8"])
     assert options["max_new_tokens"] == 64  # config
     assert options["scheduler"] == "fixed:4"  # flag beats config
-    assert options["batch_size"] == 8 and options["drafter"] == "dspark"  # flag, default
+    assert options["batch_size"] == 8 and options["drafter"] == "auto"  # flag, default
     assert options["keep_columns"] == ["domain"]
     assert "--direct_num_workers=2" in beam_flags
 

@@ -10,17 +10,22 @@
     dspark-nocopy[:PATH] the same drafter without its copy prior (for comparisons)
     dspark-chain[:PATH]  the same drafter proposing chains only, no branches (the paper's
                          block; for comparisons)
+    auto                 dspark when a checkpoint is shipped for the target, else ngram
     A+B[+...]            every listed drafter each round, their trees merged into one
                          (e.g. dspark+ngram: the block drafter plus lookup in the whole prompt)
 """
 
 from __future__ import annotations
 
+import logging
+
 from dspark.drafters.base import DraftRequest, Drafter, DrafterBase, NoDrafter, VerifyOutcome
 from dspark.drafters.ngram import NgramDrafter
 from dspark.models import TargetModel
 
 __all__ = ["DraftRequest", "Drafter", "DrafterBase", "NoDrafter", "NgramDrafter", "VerifyOutcome", "make_drafter"]
+
+LOG = logging.getLogger(__name__)
 
 
 def make_drafter(spec: str, target: TargetModel) -> Drafter:
@@ -29,6 +34,16 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
 
         return UnionDrafter([make_drafter(part, target) for part in spec.split("+")])
     name, _, arg = spec.strip().partition(":")
+    if name == "auto":  # a default that works for any target: the trained drafter where one exists
+        from dspark.dspark_drafter import default_checkpoint
+
+        try:
+            path = default_checkpoint(target)
+        except FileNotFoundError:
+            LOG.info("Drafter auto -> ngram (no DSpark drafter is shipped for target %r)", target.name)
+            return NgramDrafter()
+        LOG.info("Drafter auto -> dspark (%s)", path.name)
+        return make_drafter("dspark", target)
     if name in ("none", "ar", ""):
         return NoDrafter()
     if name == "ngram":
@@ -51,6 +66,6 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
         options = DrafterOptions(branch_width=1) if name == "dspark-chain" else None
         return load_drafter(arg or None, target, options=options, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")
     raise ValueError(
-        f"unknown drafter {spec!r}; choose none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH], "
+        f"unknown drafter {spec!r}; choose auto, none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH], "
         "dspark-nocopy[:PATH], dspark-chain[:PATH] or a union A+B"
     )
