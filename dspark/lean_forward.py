@@ -57,18 +57,21 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 # 5: q/k/v and gate/up run as one packed matmul each on CPU (`FusedProjections`).
 # 6: fewer small ops a layer (rotary embedding of q and k in one go, the norm's weight inside its
 #    call, the folded mask built once per forward).
-# 7: one-token steps fold their query groups on CPU in bfloat16 and float16 too.
+# 7: batched one-token steps fold their query groups on CPU in bfloat16 and float16 too.
 LEAN_FORWARD_VERSION = 7
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
 # verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
 # SDPA: there the two cost about the same, and copying the mask for every query head made an
 # 8-row, 512-token prefill's attention 20% slower (float32, 2-core EPYC).
 FOLD_MAX_TOKENS = 64
-# One-token steps fold only in reduced precision. SDPA's grouped kernel for a single query is
-# 4-7x slower in bfloat16 than over the 3 stacked queries of a fold (per attention call, 1-4
-# rows over 256-640 cached tokens on a 2-core AMD EPYC with AVX512-BF16; 16 rows over 640:
-# 8.1 -> 1.4 ms), which made bfloat16 decoding slower than float32 there. In float32 the
-# grouped kernel is the faster one (by 10-30%) and keeps its rounding.
+# One-token steps of several rows fold only in reduced precision. SDPA's grouped kernel for a
+# single query is 4-7x slower in bfloat16 than over the 3 stacked queries of a fold (per
+# attention call, 1-4 rows over 256-640 cached tokens on a 2-core AMD EPYC with AVX512-BF16;
+# 16 rows over 640: 8.1 -> 1.4 ms), which made batched bfloat16 decoding slower than float32
+# there (16 rows: 56 -> 111 tokens/s with the fold). One row keeps the grouped kernel: that
+# is transformers' one-token step to the bit, so bfloat16 `ar` at batch 1 stays equal to
+# `hf` (18 of 18 prompts; folded: 5 of 18), for about 8% of speed. In float32 the grouped
+# kernel is the faster one (by 10-30%) and keeps its rounding.
 FOLD_ONE_TOKEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -135,8 +138,8 @@ def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     transformers' expanded-KV attention. Time per layer for a block of 2 tokens: 16 rows over
     512 cached tokens in bfloat16 on the Xeon 0.91 -> 0.44 ms; 8 rows over 768 in float32 on
     the EPYC 1.18 -> 0.59 ms (3 tokens 1.67 -> 0.71, 8 tokens 1.90 -> 1.31). One-token steps
-    fold only in bfloat16 and float16 (`FOLD_ONE_TOKEN_DTYPES`); in float32 they keep
-    `enable_gqa`, its own kernel, faster there. `folded_mask` None: every key is visible."""
+    of several rows fold only in bfloat16 and float16 (`FOLD_ONE_TOKEN_DTYPES`); otherwise they
+    keep `enable_gqa`, its own kernel. `folded_mask` None: every key is visible."""
     b, h, w, dh = q.shape
     hk = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(b, hk, h // hk * w, dh), keys, values, attn_mask=folded_mask)
@@ -210,12 +213,12 @@ class LeanDecoder:
     def norm(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return module(x) if self.transformers_kernels else rms_norm(x, module)
 
-    def folds(self, mask: torch.Tensor | None, width: int) -> bool:
-        """Whether a block of `width` tokens per row runs `fold_query_groups`."""
+    def folds(self, mask: torch.Tensor | None, rows: int, width: int) -> bool:
+        """Whether a block of `rows` x `width` tokens runs `fold_query_groups`."""
         if self.num_kv_heads == self.num_heads or self.transformers_kernels:
             return False
         if width == 1:  # with or without a mask: one query sees every key it is given
-            return self.fold_one_token
+            return self.fold_one_token and rows > 1
         return mask is not None and width <= FOLD_MAX_TOKENS
 
     def attention(
@@ -261,7 +264,7 @@ class LeanDecoder:
         x = self.inner.embed_tokens(layout.pack(ids))  # [T, d]: T = B * W, or the real tokens when packed
         cos, sin = self.inner.rotary_emb(x, position_ids)  # [B, W, dh]
         cos, sin = layout.pack(cos)[:, None], signed_sin(layout.pack(sin)[:, None])  # [T, 1, dh]: broadcast over heads
-        fold = self.folds(attention_mask, ids.shape[1])
+        fold = self.folds(attention_mask, *ids.shape)
         folded_mask = fold_mask(attention_mask, h // hk) if fold and attention_mask is not None else None
         want = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {0: x} if 0 in want else {}

@@ -249,10 +249,10 @@ def test_engine_greedy_with_transformers_kernels(tiny_llama, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_blocks_fold_query_groups(monkeypatch, dtype):
     """CPU: blocks of 2 to FOLD_MAX_TOKENS tokens run grouped-query attention as plain SDPA
-    over each KV head's stacked queries (faster); one-token steps do so in bfloat16 (where
-    SDPA's one-query grouped kernel is several times slower) and keep SDPA's own `enable_gqa`
-    in float32. The result is SDPA's `enable_gqa` to float rounding (bit for bit on some CPUs
-    and sizes)."""
+    over each KV head's stacked queries (faster); one-token steps of several rows do so in
+    bfloat16 (where SDPA's one-query grouped kernel is several times slower), while float32
+    and one-row steps keep SDPA's own `enable_gqa`. The result is SDPA's `enable_gqa` to float
+    rounding (bit for bit on some CPUs and sizes)."""
     import torch.nn.functional as F
 
     import dspark.lean_forward as lf
@@ -260,20 +260,27 @@ def test_cpu_blocks_fold_query_groups(monkeypatch, dtype):
     model = tiny_model("llama", 256, seed=3, layers=3).to(dtype)
     calls = []
     fold = lf.fold_query_groups
-    monkeypatch.setattr(lf, "fold_query_groups", lambda *a: calls.append(a[0].shape[2]) or fold(*a))
-    folded = run_rounds(model, lean=True, hidden_layers=(1, 3))
-    assert calls and any(w >= 2 for w in calls), "multi-token blocks must take the folded path"
+    monkeypatch.setattr(lf, "fold_query_groups", lambda *a: calls.append(a[0].shape[0:3:2]) or fold(*a))  # (rows, width)
+
+    def rounds() -> list[torch.Tensor]:  # run_rounds ends with one-row steps; then a 3-row one-token step
+        runner = ModelRunner(model, lean=True)
+        runner.cache, _, _ = runner.prefill_with_logits([[5, 9, 17], [4, 8], [7, 7, 7, 7]])
+        return run_rounds(model, lean=True, hidden_layers=(1, 3)) + [runner.forward_block([([13], [-1]), ([14], [-1]), ([15], [-1])]).logits]
+
+    folded = rounds()
+    assert any(w >= 2 for _, w in calls), "multi-token blocks must take the folded path"
+    assert (1, 1) not in calls, "one-row steps keep grouped SDPA (transformers' rounding)"
     if dtype == torch.float32:
-        assert min(calls) >= 2, "float32 one-token steps keep grouped SDPA"
+        assert (3, 1) not in calls, "float32 one-token steps keep grouped SDPA"
     else:
-        assert 1 in calls, "bfloat16 one-token steps must fold"
-    assert 40 in calls, "a prompt of up to FOLD_MAX_TOKENS tokens folds too"
+        assert (3, 1) in calls, "bfloat16 one-token steps of several rows must fold"
+    assert any(w == 40 for _, w in calls), "a prompt of up to FOLD_MAX_TOKENS tokens folds too"
 
     def unfolded(q, k, v, m):  # the folded mask's first W rows are the block's own mask; None: no mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if m is None else m[:, :, : q.shape[2]], enable_gqa=True)
 
     monkeypatch.setattr(lf, "fold_query_groups", unfolded)
-    grouped = run_rounds(model, lean=True, hidden_layers=(1, 3))
+    grouped = rounds()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for a, b in zip(folded, grouped, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
