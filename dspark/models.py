@@ -52,6 +52,26 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_embedded_gguf(path: Path) -> bool:
+    """Whether `path` is the embedded GGUF file or a byte-identical copy of it (the size is
+    compared first, so other files are not read)."""
+    try:
+        embedded = embedded_gguf_path()
+    except FileNotFoundError:
+        return False
+    if path.resolve() == embedded.resolve():
+        return True
+    return path.stat().st_size == embedded.stat().st_size and _sha256(path) == _sha256(embedded)
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,7 +147,9 @@ def resolve_model_dir(name_or_path: str) -> tuple[Path, str]:
         return _dequantise_gguf(embedded_gguf_path()), EMBEDDED_NAME
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _dequantise_gguf(path), path.stem
+        # The embedded file by path (or a copy of it) is the embedded target: the same name, so
+        # its shipped drafter loads (`--drafter auto`, `dspark`; the fingerprint holds the name).
+        return _dequantise_gguf(path), EMBEDDED_NAME if is_embedded_gguf(path) else path.stem
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from dspark.drafters.ngram import NgramDrafter
 from dspark.generator import DSparkGenerator, PromptError
 from dspark.metrics import RequestStats, aggregate
-from dspark.models import load_model, resolve_model_dir
+from dspark.models import EMBEDDED_NAME, embedded_gguf_path, is_embedded_gguf, load_model, resolve_model_dir
 from dspark.runner import ModelRunner
 from tests.conftest import tiny_model
 
@@ -18,6 +19,22 @@ from tests.conftest import tiny_model
 def test_unknown_model_is_an_error_not_a_download(tmp_path):
     with pytest.raises(FileNotFoundError, match="never downloads"):
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_the_embedded_gguf_by_path_or_as_a_copy_is_the_embedded_target(tmp_path):
+    """The shipped drafter is keyed by the target's name: a user pointing at the embedded file
+    (or a copy baked into an image) gets it too. A file differing in one byte is another model."""
+    embedded = embedded_gguf_path()
+    assert resolve_model_dir(str(embedded))[1] == EMBEDDED_NAME
+    copy = tmp_path / "smollm2.gguf"
+    shutil.copyfile(embedded, copy)
+    assert is_embedded_gguf(copy)
+    with copy.open("r+b") as f:  # same size, last byte flipped
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 1]))
+    assert not is_embedded_gguf(copy)
 
 
 def test_pickle_only_checkpoints_are_refused(tmp_path, tiny_llama):
