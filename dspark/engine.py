@@ -9,6 +9,11 @@ Each round:
 Finished rows leave the batch and queued requests are prefilled into the free places; a
 prefill also gives each new row its first token (from the prompt's last logits, as plain
 decoding does), so that token costs no round of its own.
+
+A row drafts at most as deep as it has room for: in the context (prompt + output never
+exceeds `max_context`, as in plain decoding) and in its own `max_new_tokens`.
+Sampled rows draw every token with their own noise (`dspark.sampling.SamplingNoise`), so
+their output depends on their seed and the target only.
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ import torch
 
 from dspark.draft_gate import DraftGate, gate_for
 from dspark.drafters.base import DraftRequest, Drafter, VerifyOutcome
-from dspark.metrics import RequestStats
+from dspark.metrics import RequestStats, round_counts
 from dspark.models import TargetModel
 from dspark.runner import ModelRunner
-from dspark.sampling import SamplingParams, greedy_tokens, probs_from_logits
+from dspark.sampling import SamplingNoise, SamplingParams, draw_tokens, greedy_tokens, probs_from_logits
 from dspark.schedulers import Scheduler
 from dspark.tree import DraftTree, top_survival_nodes
-from dspark.verify import verify_greedy, verify_sampling
+from dspark.verify import verify_tree
 
 
 @dataclass
@@ -38,7 +43,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # sampled rows: None draws a fresh random seed
     time_limit_s: float | None = None  # wall time from admission; past it the row stops early
     # filled in by the engine
     output_ids: list[int] = field(default_factory=list)
@@ -110,23 +115,21 @@ class SpeculativeEngine:
         t_first = time.perf_counter()
         for b, req in enumerate(new):
             req.t_admit = now
-            gen = None
+            noise = None
             if not req.sampling.greedy:
-                gen = torch.Generator(device="cpu")
-                if req.seed is not None:
-                    gen.manual_seed(req.seed)
-                else:
-                    gen.seed()  # no seed asked for: a fresh random one
-                first = int(torch.multinomial(probs_from_logits(logits[b], req.sampling).cpu(), 1, generator=gen))
+                seed = req.seed if req.seed is not None else torch.seed()  # no seed asked for: a fresh random one
+                noise = SamplingNoise(seed, self.vocab)
+                first = noise.draw(probs_from_logits(logits[b], req.sampling), len(req.prompt_ids))
             else:
                 first = argmax[b]
             # the drafter sees hidden states for every token but the last (the next anchor)
-            dreq = DraftRequest(req.index, list(req.prompt_ids) + [first], req.sampling, state={"generator": gen})
+            dreq = DraftRequest(req.index, list(req.prompt_ids) + [first], req.sampling, noise=noise)
             prompt_hidden = None
             if hidden is not None:
                 prompt_hidden = [h[b, : len(req.prompt_ids)] for h in hidden]
             self.drafter.start(dreq, prompt_hidden)
             self._emit(req, [first], t_first)
+            req.stats.record_prefill()
             active.append((req, dreq))
 
     def _retire(self, active: list[tuple[Request, DraftRequest]]) -> list[tuple[Request, DraftRequest]]:
@@ -150,8 +153,15 @@ class SpeculativeEngine:
                 out.append(tree.subset(top_survival_nodes(tree, budget)))
         return out
 
+    def _room(self, req: Request, dreq: DraftRequest) -> int:
+        """How deep this row may draft: every verified node needs a context position (the
+        anchor sits at len(token_ids) - 1), and tokens past max_new_tokens would be dropped."""
+        return min(self.target.max_context - len(dreq.token_ids), req.max_new_tokens - len(req.output_ids) - 1)
+
     def _propose(self, active: list[tuple[Request, DraftRequest]], depth: int) -> list[DraftTree]:
         trees = [DraftTree() for _ in active]
+        rooms = [self._room(req, dreq) for req, dreq in active]
+        depth = min(depth, max(rooms, default=0))
         if depth <= 0:
             return trees
         rows = []
@@ -164,7 +174,7 @@ class SpeculativeEngine:
             rows = list(range(len(active)))
         if rows:
             for i, tree in zip(rows, self.drafter.propose([active[i][1] for i in rows], depth)):
-                trees[i] = tree
+                trees[i] = tree if tree.max_depth() <= rooms[i] else within_depth(tree, rooms[i])
         return trees
 
     def _update_backoff(self, active: list[tuple[Request, DraftRequest]], drafted: list[DraftTree], scheduled: list[DraftTree]) -> None:
@@ -198,47 +208,54 @@ class SpeculativeEngine:
         verdicts = []
         for i, ((req, dreq), tree) in enumerate(zip(active, trees)):
             if req.sampling.greedy:
-                verdicts.append(verify_greedy(tree, argmax[i]))
+                verdicts.append(verify_tree(tree, argmax[i]))
             else:
+                # block position j draws the token at index len(token_ids) + depth(j)
                 probs = probs_from_logits(logits[i, : len(tree) + 1], req.sampling)
-                verdicts.append(verify_sampling(tree, probs, dreq.state.get("generator")))
+                base = len(dreq.token_ids)
+                drawn = draw_tokens(probs, dreq.noise, [base] + [base + d for d in tree.depths()])
+                verdicts.append(verify_tree(tree, drawn))
         keep = [[0] + [k + 1 for k in v.accepted_nodes] for v in verdicts]
         self.runner.cache.commit(keep)
         t2 = time.perf_counter()
-        if self.gate is not None and self.scheduler.max_depth > 0:
-            emitted = sum(len(v.accepted_nodes) + 1 for v in verdicts)
-            self.gate.record(len(active), t2 - t0, emitted, drafted=any(len(t) > 0 for t in drafted), propose_s=t1 - t0)
+        kept_total = 0
         for i, ((req, dreq), tree, verdict) in enumerate(zip(active, trees, verdicts)):
             st = req.stats
             st.draft_s += (t1 - t0) / len(active)
             st.verify_s += (t2 - t1) / len(active)
-            depths = tree.depths()
-            st.record_round(len(drafted[i]), depths, len(verdict.accepted_nodes), list(tree.confidence))
             new_tokens = [tree.tokens[k] for k in verdict.accepted_nodes] + [verdict.next_token]
-            self._emit(req, new_tokens, t2)
+            kept = self._emit(req, new_tokens, t2)
+            kept_total += kept
+            st.record_round(len(drafted[i]), round_counts(tree.parents, verdict.accepted_nodes, kept), tree.confidence)
             dreq.token_ids.extend(new_tokens)
+            if dreq.noise is not None:
+                dreq.noise.forget_before(len(dreq.token_ids))
             hidden = None
             if out.hidden is not None:
                 idx = torch.tensor(keep[i], device=out.hidden[0].device)
                 hidden = [h[i].index_select(0, idx) for h in out.hidden]
             self.drafter.observe(dreq, VerifyOutcome(req.index, tree, verdict.accepted_nodes, verdict.next_token, hidden))
+        if self.gate is not None and self.scheduler.max_depth > 0:
+            self.gate.record(len(active), t2 - t0, kept_total, drafted=any(len(t) > 0 for t in drafted), propose_s=t1 - t0)
         self.runner.cache.maybe_compact()
 
-    def _emit(self, req: Request, tokens: list[int], now: float) -> None:
+    def _emit(self, req: Request, tokens: list[int], now: float) -> int:
+        """Append tokens until the row ends; returns how many it kept."""
         if req.t_first is None:
             req.t_first = now
-        room = self.target.max_context - len(req.prompt_ids) - self.scheduler.max_depth - 1
-        for tok in tokens:
+        room = self.target.max_context - len(req.prompt_ids)  # prompt + output fit the context
+        for kept, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
             if tok in self.eos:
                 req.finish_reason = "eos"
             elif req.stop_strings and self._hit_stop(req):
                 req.finish_reason = "stop"
-            elif len(req.output_ids) >= req.max_new_tokens or len(req.output_ids) >= room:
+            elif len(req.output_ids) >= min(req.max_new_tokens, room):
                 req.finish_reason = "length"
             if req.finish_reason:
                 req.t_done = now
-                return
+                return kept
+        return len(tokens)
 
     @staticmethod
     def _enforce_time_limits(active: list[tuple[Request, DraftRequest]]) -> None:
@@ -282,3 +299,8 @@ class SpeculativeEngine:
                 self.drafter.finish(dreq)
             self.runner.cache.select_rows([])
         return requests
+
+
+def within_depth(tree: DraftTree, depth: int) -> DraftTree:
+    """The nodes of `tree` at most `depth` deep (ancestor-closed, so a valid tree)."""
+    return tree.subset([i for i, d in enumerate(tree.depths()) if d <= depth])

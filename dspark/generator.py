@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -15,7 +17,7 @@ from dspark.drafters.base import Drafter
 from dspark.engine import Request, SpeculativeEngine
 from dspark.metrics import RequestStats
 from dspark.models import EMBEDDED_NAME, TargetModel, load_model
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingParams, is_int, is_real
 from dspark.schedulers import Scheduler, UtilizationAdaptive, make_scheduler
 from dspark.hardware import UtilizationProbe
 
@@ -100,7 +102,8 @@ class DSparkGenerator:
 
     # --- validation --------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True, max_new_tokens: int = 0) -> list[int]:
-        """Token ids for one prompt, or PromptError. Token-id lists are used as they are."""
+        """Token ids for one prompt, or PromptError. Token ids (a list, tuple, 1-D tensor or
+        array of integers) are used as they are."""
         ids, _ = self._encode(prompt, chat, max_new_tokens)
         return ids
 
@@ -111,17 +114,19 @@ class DSparkGenerator:
             if not prompt.strip():
                 raise PromptError("empty_prompt", "prompt is empty or whitespace only")
             ids = self.target.encode(prompt, chat=chat)
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = self.target.encode(prompt, chat=True)
-        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise PromptError("empty_prompt", "prompt has no tokens")
-            if any(not 0 <= t < self.target.vocab_size for t in ids):
-                raise PromptError("bad_token_id", f"token ids must be in [0, {self.target.vocab_size})")
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.target.encode(check_messages(prompt, self.target), chat=True)
+        elif isinstance(prompt, (torch.Tensor, np.ndarray)):
+            integer = prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not (
+                prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+            if prompt.ndim != 1 or not integer:
+                raise PromptError("bad_type", f"an array prompt must be 1-D integer token ids, got {prompt.ndim}-D {prompt.dtype}")
+            ids = check_token_ids(prompt.tolist(), self.target.vocab_size)
+        elif isinstance(prompt, (list, tuple)):
+            ids = check_token_ids(prompt, self.target.vocab_size)
         else:
             raise PromptError("bad_type", f"prompt must be str, list of messages or token ids, got {type(prompt).__name__}")
-        limit = self.target.max_context - max_new_tokens - self.scheduler.max_depth - 1
+        limit = self.target.max_context - max_new_tokens  # prompt + output fit the context, as in plain decoding
         if limit < 1:
             raise PromptError("too_long", f"max_new_tokens={max_new_tokens} leaves no room in the {self.target.max_context}-token context")
         if len(ids) > limit:
@@ -157,15 +162,21 @@ class DSparkGenerator:
         which call or batch it lands in), else `seed + i`.
         time_limit_s: per prompt, wall time from when it enters the batch; a prompt past it
         stops with finish_reason "time_limit" and keeps the tokens produced so far."""
-        if isinstance(prompts, str):
-            raise TypeError("generate takes a list of prompts; wrap a single prompt in a list")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts; wrap a single prompt in a list")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = SamplingParams(temperature, top_k, top_p)
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-        if time_limit_s is not None and time_limit_s <= 0:
-            raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+        stop = stop_strings(stop)
+        if seed is not None and not is_int(seed):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if seeds is not None:
+            if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or len(seeds) != len(prompts):
+                raise ValueError(f"seeds must be a list of one integer per prompt ({len(prompts)}), got {seeds!r:.80}")
+            if not all(is_int(x) for x in seeds):
+                raise ValueError(f"seeds must be integers, got {seeds!r:.80}")
+        if time_limit_s is not None and (not is_real(time_limit_s) or not math.isfinite(time_limit_s) or time_limit_s <= 0):
+            raise ValueError(f"time_limit_s must be a finite number > 0 or None, got {time_limit_s!r}")
         requests, truncated = [], []
         for i, p in enumerate(prompts):
             try:
@@ -173,7 +184,7 @@ class DSparkGenerator:
             except PromptError as e:
                 raise PromptError(e.kind, f"prompt {i}: {e}") from None
             row_seed = int(seeds[i]) if seeds is not None else (None if seed is None else seed + i)
-            requests.append(Request(i, ids, max_new_tokens, sampling, tuple(stop or ()), row_seed, time_limit_s))
+            requests.append(Request(i, ids, int(max_new_tokens), sampling, stop, row_seed, time_limit_s))
             truncated.append(cut)
         engine = SpeculativeEngine(
             self.target, self.drafter, self.scheduler, self.max_batch_size, draft_gate=self.draft_gate or False
@@ -200,3 +211,41 @@ class DSparkGenerator:
             stats=req.stats,
             truncated=truncated,
         )
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The `stop` argument as a tuple of non-empty strings; a bare string is one stop string."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, bytes) or not isinstance(stop, Sequence):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {type(stop).__name__}")
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r:.80}")
+    return tuple(stop)
+
+
+def check_token_ids(ids: Sequence, vocab_size: int) -> list[int]:
+    """A token-id prompt as ints, or PromptError: never rounded, parsed or taken from bools."""
+    if not ids:
+        raise PromptError("empty_prompt", "prompt has no tokens")
+    bad = [t for t in ids if not is_int(t)]
+    if bad:
+        raise PromptError("bad_token_id", f"token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    ids = [int(t) for t in ids]
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise PromptError("bad_token_id", f"token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def check_messages(messages: Sequence[dict], target: TargetModel) -> list[dict]:
+    """Chat messages as the template expects them, or PromptError."""
+    if not getattr(target.tokenizer, "chat_template", None):
+        raise PromptError("no_chat_template", f"{target.name} has no chat template; pass text or token ids")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise PromptError("bad_message", f"message {i} needs a string 'role' and a string 'content', got {sorted(m)}")
+    if not any(m["content"].strip() for m in messages):
+        raise PromptError("empty_prompt", "every message is empty")
+    return list(messages)

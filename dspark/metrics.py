@@ -1,4 +1,18 @@
-"""Speculation statistics as plain dataclasses: per request, and summed over many."""
+"""Speculation statistics as plain dataclasses: per request, and summed over many.
+
+Every figure counts what the request kept. A round may verify and even accept draft tokens
+past the request's end (max_new_tokens, EOS, a stop string, the context); those tokens are
+thrown away, so they count neither as accepted nor as verified, and no attempt past the end
+counts towards per-position acceptance. The glossary with the invariants is in
+docs/metrics.md; `round_counts` is the one place a verified round becomes numbers, and
+`speculation_rates` the one place counters become ratios.
+
+Invariants (tested against a recount from the verified trees):
+  emitted == num_output_tokens                  (the prefill's first token included)
+  tau == emitted / (prefills + rounds)          (tokens per target forward; plain decoding: 1.0)
+  accepted <= verified,  rejected == verified - accepted
+  sum(position_accepts) == accepted,  position_accepts[k] <= position_attempts[k]
+"""
 
 from __future__ import annotations
 
@@ -8,20 +22,74 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class RoundCounts:
+    """What one verify round of one request contributes, after the request's end is applied."""
+
+    verified: int  # draft nodes the target checked, within the request
+    accepted: int  # draft tokens accepted and kept
+    emitted: int  # tokens the request kept from this round (accepted + the target's own, or fewer at the end)
+    attempted_depths: tuple[int, ...]  # depths d where a child of the accepted depth-(d-1) node was verified
+    counted_nodes: tuple[int, ...]  # node indices within the request (their confidences feed the entropy)
+
+
+def round_counts(parents: list[int], accepted_nodes: list[int], kept: int) -> RoundCounts:
+    """parents: the verified tree's parent indices (-1 = anchor); accepted_nodes: the accepted
+    path, root first; kept: how many of the round's len(accepted_nodes) + 1 tokens the request
+    kept (fewer when it ended inside the round).
+
+    When the request ends on an accepted draft token (kept <= accepted), everything deeper than
+    `kept` lies past the end: the nodes there were verified for nothing and count as nothing."""
+    n_acc = len(accepted_nodes)
+    if not 0 <= kept <= n_acc + 1:
+        raise ValueError(f"kept={kept} outside [0, {n_acc + 1}]")
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    window = kept if kept <= n_acc else math.inf  # deepest depth inside the request
+    counted = tuple(i for i, d in enumerate(depth) if d <= window)
+    with_children = {parents[i] for i in counted}  # -1 (the anchor) or node index
+    path = [-1] + list(accepted_nodes)
+    attempted = tuple(d for d in range(1, n_acc + 2) if d <= window and path[d - 1] in with_children)
+    return RoundCounts(
+        verified=len(counted),
+        accepted=min(n_acc, kept),
+        emitted=kept,
+        attempted_depths=attempted,
+        counted_nodes=counted,
+    )
+
+
+def ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def speculation_rates(*, verified: int, accepted: int, rounds: int, emitted: int, prefills: int) -> dict:
+    """The ratios every output reports, from summed counters (None where undefined)."""
+    return {
+        "mean_accepted_length": ratio(emitted, prefills + rounds),  # tau
+        "acceptance_rate": ratio(accepted, verified),
+        "correction_rate": ratio(verified - accepted, verified),
+        "mean_verify_budget": ratio(verified, rounds),
+    }
+
+
 @dataclass
 class RequestStats:
     drafted: int = 0  # draft tokens proposed (before scheduling)
-    verified: int = 0  # draft tokens sent to the target
-    accepted: int = 0  # draft tokens the target accepted
-    rounds: int = 0  # target forward passes after prefill
+    verified: int = 0  # draft tokens the target checked, within the request
+    accepted: int = 0  # draft tokens accepted and kept
+    rounds: int = 0  # verify rounds (target forwards after the prefill)
+    prefills: int = 0  # 1 once the request's prompt was prefilled (it yields the first token)
     drafted_rounds: int = 0  # rounds with a draft for this row (the rest skipped drafting)
-    emitted: int = 0  # tokens gained from rounds (accepted + one target token per round)
+    emitted: int = 0  # output tokens kept: the prefill's first token plus every round's
     draft_s: float = 0.0
     verify_s: float = 0.0
-    # per draft depth k (index k-1): rounds where depth k was verified with depths < k accepted
+    # per draft depth k (index k-1): rounds where a node at depth k was verified under the
+    # accepted depth-(k-1) node (a real attempt), and those where one was accepted and kept
     position_attempts: list[int] = field(default_factory=list)
     position_accepts: list[int] = field(default_factory=list)
-    confidences: list[float] = field(default_factory=list)  # c of every verified node (for entropy)
+    confidences: list[float] = field(default_factory=list)  # c of every counted verified node (for entropy)
 
     @property
     def rejected(self) -> int:
@@ -37,8 +105,10 @@ class RequestStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """tau: tokens gained per round, counting the target's own token (AR = 1.0)."""
-        return self.emitted / self.rounds if self.rounds else 0.0
+        """tau: output tokens per target forward, the prefill counted as one forward that
+        yields the first token (plain decoding: exactly 1.0)."""
+        forwards = self.prefills + self.rounds
+        return self.emitted / forwards if forwards else 0.0
 
     @property
     def mean_verify_budget(self) -> float:
@@ -62,29 +132,31 @@ class RequestStats:
         c = np.clip(np.asarray(self.confidences, dtype=np.float64), 1e-9, 1 - 1e-9)
         return float(np.mean(-(c * np.log2(c) + (1 - c) * np.log2(1 - c))))
 
-    def record_round(self, drafted: int, verified_depths: list[int], accepted_depth: int, confidences: list[float]) -> None:
-        """One verification round. verified_depths: depth of every verified node; accepted_depth:
-        how many draft tokens were accepted."""
+    def record_prefill(self) -> None:
+        """The prompt's forward, which yields the first output token."""
+        self.prefills += 1
+        self.emitted += 1
+
+    def record_round(self, drafted: int, counts: RoundCounts, confidences: list[float]) -> None:
+        """One verify round. drafted: nodes proposed before scheduling; confidences: c of every
+        verified node (only those `counts` kept inside the request are recorded)."""
         self.rounds += 1
         self.drafted_rounds += drafted > 0
         self.drafted += drafted
-        self.verified += len(verified_depths)
-        self.accepted += accepted_depth
-        self.emitted += accepted_depth + 1
-        self.confidences.extend(confidences)
-        max_depth = max(verified_depths, default=0)
-        while len(self.position_attempts) < max_depth:
+        self.verified += counts.verified
+        self.accepted += counts.accepted
+        self.emitted += counts.emitted
+        self.confidences.extend(confidences[i] for i in counts.counted_nodes)
+        deepest = max(counts.attempted_depths, default=0)
+        while len(self.position_attempts) < deepest:
             self.position_attempts.append(0)
             self.position_accepts.append(0)
-        # depth k was attempted if verified and depth k-1 accepted; a tree may verify depth k
-        # only under a rejected branch, which counts as no attempt on the accepted path.
-        for k in range(1, min(max_depth, accepted_depth + 1) + 1):
-            self.position_attempts[k - 1] += 1
-            if k <= accepted_depth:
-                self.position_accepts[k - 1] += 1
+        for d in counts.attempted_depths:
+            self.position_attempts[d - 1] += 1
+            self.position_accepts[d - 1] += d <= counts.accepted
 
     def merge(self, other: "RequestStats") -> None:
-        for name in ("drafted", "verified", "accepted", "rounds", "drafted_rounds", "emitted", "draft_s", "verify_s"):
+        for name in ("drafted", "verified", "accepted", "rounds", "prefills", "drafted_rounds", "emitted", "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.position_attempts), len(other.position_attempts))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

@@ -5,11 +5,9 @@ A chain is the special case where each node's parent is the node before it.
 Invariants (checked by `DraftTree.validate`):
 - nodes are in topological order: parents[i] < i; -1 means "child of the anchor";
 - siblings appear in priority order (verification tries them left to right);
-- confidence[i] is c_i = P(node i is accepted | its parent was accepted), and may depend
-  only on the node's ANCESTORS' tokens, never on its own token: that is what keeps
-  confidence-based pruning lossless when draft tokens are sampled;
-- q[i] is the distribution node i was drawn from, or None for a deterministic proposal
-  (a point mass: n-gram lookups, greedy drafts, top-k branches).
+- confidence[i] is c_i = P(node i is accepted | its parent was accepted), an estimate the
+  scheduler prunes by. Outputs never depend on it: verification follows the target's own
+  tokens (`dspark.verify`), so pruning only changes how many tokens a round confirms.
 """
 
 from __future__ import annotations
@@ -24,21 +22,18 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)  # [N]
     parents: list[int] = field(default_factory=list)  # [N], -1 = anchor
     confidence: list[float] = field(default_factory=list)  # [N], c_i in [0, 1]
-    q: list[torch.Tensor | None] = field(default_factory=list)  # [N] x [V] or None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @staticmethod
-    def chain(tokens: list[int], confidence: list[float], q: list[torch.Tensor | None] | None = None) -> "DraftTree":
-        n = len(tokens)
-        return DraftTree(list(tokens), list(range(-1, n - 1)), list(confidence), list(q) if q else [None] * n)
+    def chain(tokens: list[int], confidence: list[float]) -> "DraftTree":
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), list(confidence))
 
-    def add(self, token: int, parent: int, confidence: float, q: torch.Tensor | None = None) -> int:
+    def add(self, token: int, parent: int, confidence: float) -> int:
         self.tokens.append(int(token))
         self.parents.append(int(parent))
         self.confidence.append(float(confidence))
-        self.q.append(q)
         return len(self.tokens) - 1
 
     def depths(self) -> list[int]:
@@ -77,12 +72,12 @@ class DraftTree:
             p = self.parents[old]
             if p >= 0 and p not in new_index:
                 raise ValueError("subset is not ancestor-closed")
-            out.add(self.tokens[old], new_index[p] if p >= 0 else -1, self.confidence[old], self.q[old])
+            out.add(self.tokens[old], new_index[p] if p >= 0 else -1, self.confidence[old])
         return out
 
     def validate(self, vocab_size: int | None = None) -> None:
         n = len(self.tokens)
-        if not (len(self.parents) == len(self.confidence) == len(self.q) == n):
+        if not (len(self.parents) == len(self.confidence) == n):
             raise ValueError("draft tree fields have different lengths")
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:

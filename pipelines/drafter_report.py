@@ -509,7 +509,7 @@ def write_card(path: Path, s: dict, command: str) -> None:
         "",
         "## Data",
         "",
-        f"- prompts: `/work/shared/data/prompts` (all ten files), split by a hash of `id` "
+        "- prompts: `/work/shared/data/prompts` (all ten files), split by a hash of `id` "
         "(`dspark.training.data.split_of`: eval 1/8, calib 1/16, train the rest); training never saw eval or calib prompts",
         f"- training sequences: {tr.get('train_sequences')} greedy answers (max 128 new tokens), "
         f"{tr.get('train_positions')} cached positions",

@@ -71,8 +71,8 @@ EPILOG = """\
 outputs (under --output DIR; one file per input shard in each folder, named after the shard):
   generations/*.parquet         one row per generated input row: id, shard, output,
                                 num_prompt_tokens, num_output_tokens, finish_reason (eos|length|stop),
-                                latency_s, mean_accepted_length (tokens gained per target forward,
-                                1.0 = no speculation), [prompt_truncated with --truncate-prompts],
+                                latency_s, mean_accepted_length (output tokens per target forward,
+                                the prefill counted; 1.0 = no speculation; docs/metrics.md), [prompt_truncated with --truncate-prompts],
                                 then the --keep-columns
   shard_metrics/*.parquet       one row per input shard: shard, num_records, num_ok, num_failed,
                                 num_duplicate_ids, output_tokens, wall_s (engine time on the shard),

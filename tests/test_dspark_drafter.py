@@ -27,7 +27,7 @@ from dspark.dspark_drafter.copy_prior import CopyPrior, CopyScorer, NgramIndex, 
 from dspark.dspark_drafter.losses import LossWeights, dspark_loss, position_weights
 from dspark.dspark_drafter.model import block_attention_mask, lm_head_logits
 from dspark.dspark_drafter.vocab import frequent_tokens, grow_vocab, save_draft_vocab
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingNoise, SamplingParams
 from dspark.training.tiny import tiny_target
 from dspark.tree import DraftTree
 
@@ -501,7 +501,7 @@ def test_plugin_lifecycle_and_chain(target):
     assert [tuple(t.shape) for t in req.state["ctx_kv"][0]] == [(3, kv_cols)] * 2
     (tree,) = drafter.propose([req], max_depth=4)
     tree.validate(96)
-    assert len(tree) == 4 and tree.is_chain() and all(q is None for q in tree.q)
+    assert len(tree) == 4 and tree.is_chain()
     drafter.observe(req, VerifyOutcome(0, tree, [0], 9, hidden=later))
     drafter.project_context([req])
     # keys/values of the last N committed positions, each projected once
@@ -568,7 +568,6 @@ def test_plugin_branches_with_three_candidates(target):
     tree.validate(96)
     kids = tree.children()
     assert len(kids[0]) == 3  # three candidates after the anchor
-    assert all(q is None for q in tree.q)
     assert tree.max_depth() == 4
     first = kids[0]
     conf = [tree.confidence[i] for i in first]
@@ -599,17 +598,30 @@ def test_chain_spec_drafts_the_main_chain_of_the_tree(tmp_path, target):
     assert chain.tokens == main
 
 
-def test_plugin_sampling_chain_has_distributions(target):
-    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3)
-    req = DraftRequest(0, [5, 6, 7], SamplingParams(temperature=0.8, top_k=20))
-    drafter.start(req, fake_hidden(drafter, 2))
-    (tree,) = drafter.propose([req], 5)
-    tree.validate(96)
-    assert tree.is_chain() and len(tree) == 5
-    for tok, q in zip(tree.tokens, tree.q):
-        assert q is not None and q.shape == (96,)
-        assert float(q.sum()) == pytest.approx(1.0, abs=1e-5)
-        assert q[tok] > 0 and int((q > 0).sum()) <= 20
+def sampled_chains(drafter, token_ids: list[int], sampling: SamplingParams, seeds, depth: int) -> list[list[int]]:
+    """The chain the drafter draws for each row seed (the engine's noise for that row)."""
+    chains = []
+    for seed in seeds:
+        req = DraftRequest(0, list(token_ids), sampling, noise=SamplingNoise(seed, 96))
+        drafter.start(req, fake_hidden(drafter, len(token_ids) - 1))
+        (tree,) = drafter.propose([req], depth)
+        tree.validate(96)
+        assert tree.is_chain()
+        chains.append(tree.tokens)
+        drafter.finish(req)
+    return chains
+
+
+def test_plugin_sampling_chain_draws_with_the_request_noise(target):
+    """A sampled row's chain is a function of its noise: the same seed drafts the same chain,
+    other seeds draw other tokens, never outside top-k."""
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[])
+    sampling = SamplingParams(temperature=0.8, top_k=20)
+    chains = sampled_chains(drafter, [5, 6, 7], sampling, range(200), 5)
+    assert all(len(c) == 5 for c in chains)
+    assert sampled_chains(drafter, [5, 6, 7], sampling, [3], 5)[0] == chains[3]
+    per_depth = [{c[k] for c in chains} for k in range(5)]
+    assert all(len(drawn) <= 20 for drawn in per_depth) and max(len(drawn) for drawn in per_depth) > 1
 
 
 def test_plugin_without_prompt_hidden_still_drafts(target):
@@ -696,18 +708,12 @@ def test_reduced_vocab_drafts_the_masked_chain(target):
     assert a.confidence == pytest.approx(b.confidence, abs=1e-6)
 
 
-def test_reduced_vocab_sampling_q_lives_on_the_subset(target):
+def test_reduced_vocab_sampling_draws_from_the_subset(target):
     subset = torch.tensor([1, 2, 3, 50, 60, 70])
-    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3, draft_vocab=subset)
-    req = DraftRequest(0, [5, 6, 7], SamplingParams(temperature=1.0))
-    drafter.start(req, fake_hidden(drafter, 2))
-    (tree,) = drafter.propose([req], 5)
-    for tok, q in zip(tree.tokens, tree.q):
-        assert q.shape == (96,) and float(q.sum()) == pytest.approx(1.0, abs=1e-5)
-        assert tok in subset.tolist() and q[tok] > 0
-        outside = torch.ones(96, dtype=torch.bool)
-        outside[subset] = False
-        assert float(q[outside].abs().sum()) == 0.0
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], draft_vocab=subset)
+    chains = sampled_chains(drafter, [5, 6, 7], SamplingParams(temperature=1.0), range(100), 5)
+    drawn = {t for c in chains for t in c}
+    assert drawn <= set(subset.tolist()) and len(drawn) > 1
 
 
 def test_checkpoint_carries_its_draft_vocabulary(tmp_path, target):
@@ -833,19 +839,13 @@ def test_runtime_copy_chain_equals_the_offline_walk(target, vocab, rule):
         assert seen_classes - {0} and changed >= 1  # the learned rule made the drafter propose something else
 
 
-def test_copy_prior_sampling_q_covers_copied_tokens_outside_the_vocabulary(target):
+def test_copy_prior_sampling_draws_copied_tokens_outside_the_vocabulary(target):
     subset = torch.tensor([1, 2, 3])
     prior = CopyPrior(((2, 6.0),))
-    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], seed=3, draft_vocab=subset, copy=prior)
-    req = DraftRequest(0, [50, 60, 50, 60, 50], SamplingParams(temperature=1.0))
-    drafter.start(req, fake_hidden(drafter, 4))
-    (tree,) = drafter.propose([req], 4)
-    for tok, q in zip(tree.tokens, tree.q):
-        assert q.shape == (96,) and float(q.sum()) == pytest.approx(1.0, abs=1e-5)
-        assert q[tok] > 0
-        allowed = set(subset.tolist()) | {50, 60}  # the vocabulary plus what the prior copies
-        assert set(torch.nonzero(q).flatten().tolist()) <= allowed
-    assert float(tree.q[0][60]) > 0  # after 50 the sequence had 60: its column exists
+    drafter = DSparkDrafter(make_model(target), eos_token_ids=[], draft_vocab=subset, copy=prior)
+    chains = sampled_chains(drafter, [50, 60, 50, 60, 50], SamplingParams(temperature=1.0), range(100), 4)
+    assert {t for c in chains for t in c} <= set(subset.tolist()) | {50, 60}  # the vocabulary plus what the prior copies
+    assert any(c[0] == 60 for c in chains)  # after 50 the sequence had 60: its column can be drawn
 
 
 @pytest.mark.parametrize("rule", ["bonuses", "scorer"])

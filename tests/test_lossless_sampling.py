@@ -2,7 +2,7 @@
 
 Each test draws enough samples that a 2% shift of probability mass between two tokens gives
 a chi-square noncentrality far above the critical value; `test_the_check_has_power` shows
-the same check rejects a verifier that is biased by that much.
+the same check rejects a sampler that is biased by that much.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from dspark.dspark_drafter import DSparkConfig, DSparkDrafter, build_model
 from dspark.dspark_drafter.copy_prior import CopyPrior, CopyRule, CopyScorer, scorer_features
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
-from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.sampling import SamplingNoise, SamplingParams, probs_from_logits
 from dspark.schedulers import FixedLength
-from dspark.tree import DraftTree
-from dspark.verify import verify_sampling
 from tests.conftest import tiny_model, word_tokenizer
 
 ALPHA = 1e-3  # false-alarm rate per test; seeds are fixed, so the outcome is reproducible
@@ -44,78 +42,60 @@ def dist(g: torch.Generator, sharp: float = 1.0) -> torch.Tensor:
     return (torch.randn(V, generator=g) * sharp).softmax(-1)
 
 
-@pytest.fixture
-def tables():
+def draw_counts(probs: torch.Tensor, n: int, index: int = 7, token_ids: torch.Tensor | None = None) -> np.ndarray:
+    """How often n rows (seeds 0..n-1) draw each entry of `probs` at one token index."""
+    counts = np.zeros(probs.shape[-1])
+    for seed in range(n):
+        counts[SamplingNoise(seed, V).draw(probs, index, token_ids)] += 1
+    return counts
+
+
+def test_a_row_noise_draws_exact_samples():
+    """argmax(p / E) over seeds is a sample of p, impossible tokens never drawn."""
     g = torch.Generator().manual_seed(0)
-    p0, q0 = dist(g), dist(g, 2.0)
-    p1 = torch.stack([dist(g) for _ in range(V)])  # target at depth 2 given the depth-1 token
-    q1 = torch.stack([dist(g, 2.0) for _ in range(V)])
-    return p0, q0, p1, q1
+    p = dist(g)
+    p[4] = 0.0
+    p /= p.sum()
+    assert_follows(draw_counts(p, 20000), p.numpy(), "one index")
 
 
-def run_chain(p0, q0, p1, q1, n: int, seed: int, verify=verify_sampling):
-    """Draft a sampled 2-token chain, verify; count first tokens and second-given-first."""
-    g = torch.Generator().manual_seed(seed)
-    first = np.zeros(V)
-    second = np.zeros((V, V))
-    for _ in range(n):
-        x1 = int(torch.multinomial(q0, 1, generator=g))
-        x2 = int(torch.multinomial(q1[x1], 1, generator=g))
-        tree = DraftTree.chain([x1, x2], [1.0, 1.0], [q0, q1[x1]])
-        target = torch.stack([p0, p1[x1], p0])  # the row after x2 is unused by these counts
-        v = verify(tree, target, g)
-        emitted = [tree.tokens[k] for k in v.accepted_nodes] + [v.next_token]
-        first[emitted[0]] += 1
-        if len(emitted) > 1:
-            second[emitted[0], emitted[1]] += 1
-    return first, second
-
-
-def test_chain_rejection_sampling_is_exact(tables):
-    p0, q0, p1, q1 = tables
-    first, second = run_chain(p0, q0, p1, q1, n=20000, seed=1)
-    assert_follows(first, p0.numpy(), "first token")
-    for x in range(V):
-        if second[x].sum() > 500:
-            assert_follows(second[x], p1[x].numpy(), f"second token after {x}")
-
-
-def test_the_check_has_power(tables):
-    """A verifier that moves 2% of the mass is caught by the same test and sample size."""
-    p0, q0, p1, q1 = tables
-
-    def biased(tree, target, g):
-        target = target.clone()
-        shift = torch.zeros(V)
-        shift[0], shift[1] = 0.02, -0.02
-        target[0] = (target[0] + shift).clamp(min=0)
-        target[0] /= target[0].sum()
-        return verify_sampling(tree, target, g)
-
-    first, _ = run_chain(p0, q0, p1, q1, n=20000, seed=1, verify=biased)
+def test_the_check_has_power():
+    """Drawing from a distribution with 2% of the mass moved is caught by the same check."""
+    g = torch.Generator().manual_seed(0)
+    p = dist(g)
+    biased = p.clone()
+    biased[0], biased[1] = biased[0] + 0.02, biased[1] - 0.02
     with pytest.raises(AssertionError):
-        assert_follows(first, p0.numpy(), "biased")
+        assert_follows(draw_counts(biased, 20000), p.numpy(), "biased")
 
 
-@pytest.mark.parametrize("kind", ["sampled-siblings", "deterministic-siblings"])
-def test_tree_with_three_candidates_is_exact(tables, kind):
-    """Three children of the anchor tried in order against successive residuals."""
-    p0, q0, _, _ = tables
+def test_draws_at_successive_indices_are_independent():
+    """Token t+1 given token t follows p: the noise of one index says nothing of the next."""
+    g = torch.Generator().manual_seed(1)
+    p0, p1 = dist(g), dist(g)
+    pairs = np.zeros((V, V))
+    for seed in range(20000):
+        noise = SamplingNoise(seed, V)
+        pairs[noise.draw(p0, 10), noise.draw(p1, 11)] += 1
+    assert_follows(pairs.ravel(), np.outer(p0.numpy(), p1.numpy()).ravel(), "pairs")
+
+
+def test_a_subset_distribution_uses_the_noise_of_its_token_ids():
+    """A reduced draft vocabulary draws with the noise of the token each column stands for, so
+    when q equals p on those tokens the draft is the target's draw whenever p's draw is one."""
     g = torch.Generator().manual_seed(2)
-    counts = np.zeros(V)
-    ranked = torch.argsort(q0, descending=True).tolist()
-    for _ in range(20000):
-        tree = DraftTree()
-        if kind == "sampled-siblings":  # i.i.d. draws from q, each tested with its own q
-            for _ in range(3):
-                tree.add(int(torch.multinomial(q0, 1, generator=g)), -1, 1.0, q0)
-        else:  # top-3 of q as point masses
-            for t in ranked[:3]:
-                tree.add(t, -1, 1.0, None)
-        v = verify_sampling(tree, torch.stack([p0] * 4), g)
-        emitted = [tree.tokens[k] for k in v.accepted_nodes] + [v.next_token]
-        counts[emitted[0]] += 1
-    assert_follows(counts, p0.numpy(), kind)
+    p = dist(g)
+    subset = torch.tensor([0, 2, 3, 5])
+    q = p[subset] / p[subset].sum()
+    agree = total = 0
+    for seed in range(3000):
+        noise = SamplingNoise(seed, V)
+        target = noise.draw(p, 3)
+        if target in subset.tolist():
+            total += 1
+            agree += int(subset[noise.draw(q, 3, subset)]) == target
+    assert total > 0 and agree == total
+    assert_follows(draw_counts(q, 20000, token_ids=subset), q.numpy(), "subset")
 
 
 def test_top_k_top_p_processing():
@@ -168,7 +148,7 @@ def reduced_vocab_dspark_drafter(target, copy: CopyRule | None = None) -> DSpark
     model = build_model(cfg, target.model)
     with torch.no_grad():
         model.markov_w2.normal_()
-    return DSparkDrafter(model.to(target.device), eos_token_ids=[], seed=9, draft_vocab=torch.tensor([0, 2, 3, 5]), copy=copy)
+    return DSparkDrafter(model.to(target.device), eos_token_ids=[], draft_vocab=torch.tensor([0, 2, 3, 5]), copy=copy)
 
 
 DRAFTER_KINDS = ["draft-model", "ngram-tree", "dspark-reduced-vocab", "dspark-copy-prior", "dspark-copy-scorer", "dspark+ngram"]
@@ -187,11 +167,7 @@ def test_engine_sampling_matches_target_in_batches(small_vocab_target, drafter_k
     check_engine_sampling(small_vocab_target, drafter_kind)
 
 
-def check_engine_sampling(target, drafter_kind: str) -> None:
-    """3000 sampled rows through the engine in batches of 32: the first token, token pairs and
-    tokens 2-3 (one verify round) follow the target's exact distributions (chi-square)."""
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes a tree
+def make_test_drafter(target, drafter_kind: str):
     if drafter_kind == "draft-model":
         draft = tiny_model("llama", VOCAB, seed=11, hidden=32, layers=1, eos=None).to(target.device)
         drafter = DraftModelDrafter(wrap_model(draft, target.tokenizer, "d"), target)
@@ -206,9 +182,19 @@ def check_engine_sampling(target, drafter_kind: str) -> None:
         drafter = UnionDrafter([reduced_vocab_dspark_drafter(target), NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)])
     else:
         drafter = NgramDrafter(max_ngram=2, min_ngram=1, num_candidates=3)
-    gen = DSparkGenerator(target, drafter, FixedLength(3), max_batch_size=32)
+    return drafter
+
+
+def check_engine_sampling(target, drafter_kind: str) -> None:
+    """3000 sampled rows through the engine in batches of 32: the first token, token pairs and
+    tokens 2-3 (one verify round) follow the target's exact distributions (chi-square)."""
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes a tree
+    gen = DSparkGenerator(target, make_test_drafter(target, drafter_kind), FixedLength(3), max_batch_size=32)
     n = 3000
     results = gen.generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1234)
+    plain = DSparkGenerator(target, None, "ar", max_batch_size=32).generate([prompt] * n, max_new_tokens=3, temperature=1.0, seed=1234)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain], "speculation must not change a seeded row"
     joint = np.zeros((VOCAB, VOCAB))
     later = np.zeros((VOCAB, VOCAB))  # tokens 2 and 3: both from the first verify round
     for r in results:
@@ -223,3 +209,30 @@ def check_engine_sampling(target, drafter_kind: str) -> None:
     assert_follows(later.ravel(), expected_later.ravel(), "tokens 2 and 3")
     stats = [r.stats for r in results]
     assert sum(s.accepted for s in stats) > 0.1 * n, "drafts must be accepted often enough to matter"
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram-tree", "draft-model", "dspark-copy-scorer", "dspark+ngram"])
+def test_a_seeded_prompt_samples_the_same_alone_batched_reordered_and_after_other_calls(small_vocab_target, drafter_kind):
+    """A row's tokens depend on its seed and the target only: not on the batch it shares, the
+    order, earlier calls, or how much the load-adaptive scheduler verified; and they are the
+    tokens plain sampled decoding gives with the same seed."""
+    target = small_vocab_target
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (8,), generator=g)]
+    seeds = [101 + 7 * i for i in range(8)]
+    args = dict(max_new_tokens=12, temperature=0.9, top_p=0.95)
+    gen = DSparkGenerator(target, make_test_drafter(target, drafter_kind), "dspark", max_batch_size=8)
+
+    def tokens(idx: list[int]) -> dict[int, list[int]]:
+        out = gen.generate([prompts[i] for i in idx], seeds=[seeds[i] for i in idx], **args)
+        return {i: r.token_ids for i, r in zip(idx, out)}
+
+    alone = {i: tokens([i])[i] for i in range(8)}
+    assert tokens([0, 1, 2]) == {i: alone[i] for i in (0, 1, 2)}
+    assert tokens(list(range(8))) == alone
+    assert tokens(list(reversed(range(8)))) == alone
+    gen.generate([[3, 3, 3]] * 5, seeds=[1, 2, 3, 4, 5], **args)  # an unrelated call
+    assert tokens([5, 2, 7]) == {i: alone[i] for i in (5, 2, 7)}
+    plain = DSparkGenerator(target, None, "ar", max_batch_size=3).generate(prompts, seeds=seeds, **args)
+    assert [r.token_ids for r in plain] == [alone[i] for i in range(8)]
+    assert len({tuple(t) for t in alone.values()}) == 8

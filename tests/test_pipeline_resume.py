@@ -4,7 +4,6 @@ resume refused under other settings, and output names that cannot leave the outp
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 from pathlib import Path

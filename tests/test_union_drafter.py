@@ -22,28 +22,17 @@ def chain(tokens, conf):
     return DraftTree.chain(tokens, conf)
 
 
-def test_greedy_merge_folds_shared_paths_and_keeps_the_larger_confidence():
+def test_merge_folds_shared_paths_and_keeps_the_larger_confidence():
     a = chain([5, 6, 7], [0.9, 0.5, 0.4])
     b = DraftTree()
     b.add(5, -1, 0.6)  # same first token
     b.add(8, 0, 0.7)  # then a different continuation
     b.add(9, -1, 0.2)  # a second root candidate
-    m = merge_trees([a, b], dedup=True)
+    m = merge_trees([a, b])
     m.validate()
     assert m.tokens == [5, 6, 7, 8, 9]
     assert m.parents == [-1, 0, 1, 0, -1]
     assert m.confidence == [0.9, 0.5, 0.4, 0.7, 0.2]
-
-
-def test_sampled_merge_keeps_every_proposal_in_order():
-    q = torch.tensor([0.5, 0.5])
-    a = DraftTree.chain([1, 0], [0.8, 0.6], [q, q])
-    b = chain([1, 1], [0.3, 0.9])  # same first token: kept as a separate, later sibling
-    m = merge_trees([a, b], dedup=False)
-    m.validate()
-    assert m.tokens == [1, 0, 1, 1] and m.parents == [-1, 0, -1, 2]
-    assert m.confidence == [0.8, 0.6, 0.3, 0.9]
-    assert m.q[0] is q and m.q[2] is None
 
 
 def test_each_drafter_hears_about_its_own_nodes_only():

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import apache_beam as beam
@@ -40,7 +40,7 @@ LOG = logging.getLogger(__name__)
 DEAD_LETTER_TAG = "dead_letter"
 BATCH_REPORT_TAG = "batch_report"
 
-SPEC_FIELDS = ("drafted", "verified", "accepted", "rounds", "emitted")
+SPEC_FIELDS = ("drafted", "verified", "accepted", "rounds", "prefills", "emitted")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -208,16 +208,19 @@ def decode_batch_size(generator: Any, batch_size: int) -> Iterator[None]:
 
 
 def spec_stats(stats: Any) -> SpecStats:
-    """The engine's RequestStats as plain counters (emitted = accepted + one per round if absent)."""
+    """The engine's RequestStats as plain counters (a result without them: one prefill, and
+    one token per round and per accepted draft)."""
     rounds = int(getattr(stats, "rounds", 0) or 0)
     accepted = int(getattr(stats, "accepted", 0) or 0)
+    prefills = int(getattr(stats, "prefills", 1))
     emitted = getattr(stats, "emitted", None)
     return SpecStats(
         drafted=int(getattr(stats, "drafted", 0) or 0),
         verified=int(getattr(stats, "verified", 0) or 0),
         accepted=accepted,
         rounds=rounds,
-        emitted=int(emitted) if emitted is not None else accepted + rounds,
+        prefills=prefills,
+        emitted=int(emitted) if emitted is not None else prefills + accepted + rounds,
     )
 
 
@@ -365,7 +368,7 @@ class GenerateBatchDoFn(beam.DoFn):
             num_output_tokens=int(result.num_output_tokens),
             finish_reason=str(result.finish_reason),
             latency_s=float(result.latency_s),
-            mean_accepted_length=float(getattr(result.stats, "mean_accepted_length", stats.emitted / stats.rounds if stats.rounds else 0.0)),
+            mean_accepted_length=float(stats.rates()["mean_accepted_length"] or 0.0),
             stats=stats,
             kept=dict(item.row.kept),
             prompt_truncated=item.truncated,

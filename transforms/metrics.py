@@ -17,6 +17,7 @@ from typing import Any
 
 import apache_beam as beam
 
+from dspark.metrics import ratio
 from transforms.records import BatchReport, GenerationRecord, SpecStats
 
 
@@ -98,11 +99,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def ratio(num: float, den: float) -> float | None:
-    """None, not 0, when the denominator is 0 (e.g. acceptance rate without any draft)."""
-    return num / den if den else None
-
-
 def time_weighted_mean(batches: list[BatchReport], attr: str) -> float | None:
     pairs = [(getattr(b, attr), b.wall_s) for b in batches if getattr(b, attr) is not None]
     if not pairs:
@@ -130,10 +126,7 @@ def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
         "output_tokens": acc.output_tokens,
         "wall_s": acc.wall_s,
         "tokens_per_s": ratio(acc.output_tokens, acc.wall_s),
-        "mean_accepted_length": ratio(s.emitted, s.rounds),
-        "acceptance_rate": ratio(s.accepted, s.verified),
-        "correction_rate": ratio(s.verified - s.accepted, s.verified),
-        "mean_verify_budget": ratio(s.verified, s.rounds),
+        **s.rates(),  # mean_accepted_length, acceptance_rate, correction_rate, mean_verify_budget
         "p50_latency_s": percentile(acc.latencies, 50),
         "p99_latency_s": percentile(acc.latencies, 99),
         "device": ", ".join(devices) if devices else None,

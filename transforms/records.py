@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark.metrics import speculation_rates
+
 
 @dataclass(frozen=True)
 class InvalidUtf8:
@@ -55,6 +57,7 @@ class SpecStats:
     verified: int = 0
     accepted: int = 0
     rounds: int = 0
+    prefills: int = 0
     emitted: int = 0
 
     def add(self, other: "SpecStats") -> None:
@@ -62,7 +65,13 @@ class SpecStats:
         self.verified += other.verified
         self.accepted += other.accepted
         self.rounds += other.rounds
+        self.prefills += other.prefills
         self.emitted += other.emitted
+
+    def rates(self) -> dict:
+        """tau, acceptance, correction and verify budget, defined in `dspark.metrics`."""
+        return speculation_rates(verified=self.verified, accepted=self.accepted, rounds=self.rounds,
+                                 emitted=self.emitted, prefills=self.prefills)
 
 
 @dataclass

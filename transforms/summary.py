@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
+from dspark.metrics import ratio, speculation_rates
 from transforms import schema as S
 from transforms.outputs import Marker, read_markers
 from transforms.preflight import open_binary
@@ -63,10 +64,6 @@ def beam_counters(result: Any) -> dict[str, int]:
     return dict(sorted(counters.items()))
 
 
-def ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
 def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[str, int], skipped_files: list[dict]) -> dict:
     metrics = read_output_table(output, S.SHARD_METRICS_DIR)
     dead = read_output_table(output, S.DEAD_LETTER_DIR)
@@ -86,10 +83,9 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
         "tokens_per_s": ratio(output_tokens, job_wall_s),
         "engine_wall_s": engine_wall,
         "engine_tokens_per_s": ratio(output_tokens, engine_wall),
-        "mean_accepted_length": ratio(c("emitted"), c("rounds")),
-        "acceptance_rate": ratio(c("accepted"), c("verified")),
-        "correction_rate": ratio(c("verified") - c("accepted"), c("verified")),
-        "mean_verify_budget": ratio(c("verified"), c("rounds")),
+        # mean_accepted_length, acceptance_rate, correction_rate, mean_verify_budget
+        **speculation_rates(verified=c("verified"), accepted=c("accepted"), rounds=c("rounds"), emitted=c("emitted"),
+                            prefills=c("prefills")),
         # what `--dtype auto` became on the workers (shard files of runs before this column have none)
         "dtype": ", ".join(sorted({m["dtype"] for m in metrics if m.get("dtype")})) or None,
         "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingNoise, SamplingParams
 from dspark.tree import DraftTree
 
 
@@ -25,6 +25,14 @@ class DraftRequest:
     token_ids: list[int]  # prompt + generated so far; token_ids[-1] is the anchor (not yet in the target cache)
     sampling: SamplingParams
     state: dict[str, Any] = field(default_factory=dict)  # drafter-owned
+    # sampled requests: the noise the target draws with; a drafter that samples its proposal
+    # for the token at index t of token_ids draws it with `noise.draw(q, t)`
+    noise: SamplingNoise | None = None
+
+    def sampling_noise(self) -> SamplingNoise:
+        if self.noise is None:
+            raise ValueError(f"request {self.request_id} samples but has no SamplingNoise")
+        return self.noise
 
 
 @dataclass

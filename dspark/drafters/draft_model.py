@@ -70,26 +70,21 @@ class DraftModelDrafter(DrafterBase):
         logits = out.logits[torch.arange(len(requests), device=last.device), last]  # [B, V]
         chains: list[list[int]] = [[] for _ in requests]
         confs: list[list[float]] = [[] for _ in requests]
-        qs: list[list[torch.Tensor | None]] = [[] for _ in requests]
         for step in range(max_depth):
             for b, req in enumerate(requests):
                 row_logits = logits[b, : self.draft.vocab_size]
                 if req.sampling.greedy:
                     probs = row_logits.float().softmax(-1)
                     token = int(probs.argmax())
-                    q = None
-                else:
-                    # sampled on the CPU: the request's generator lives there on every device
-                    probs = probs_from_logits(row_logits, req.sampling).cpu()
-                    token = int(torch.multinomial(probs, 1, generator=req.state.get("generator")))
-                    q = probs
+                else:  # drawn with the noise the target draws this token index with
+                    probs = probs_from_logits(row_logits, req.sampling)
+                    token = req.sampling_noise().draw(probs, len(req.token_ids) + step)
                 chains[b].append(token)
                 confs[b].append(float(probs.max()))
-                qs[b].append(q)
             if step == max_depth - 1:
                 break
             out = self.runner.forward_block([([c[-1]], [-1]) for c in chains])
             cache.commit([[0] for _ in chains])
             logits = out.logits[:, 0]
         cache.drop_last_slots(max_depth - 1)
-        return [DraftTree.chain(c, f, q) for c, f, q in zip(chains, confs, qs)]
+        return [DraftTree.chain(c, f) for c, f in zip(chains, confs)]

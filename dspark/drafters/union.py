@@ -5,16 +5,12 @@ Why: drafters fail in different places. The DSpark block drafter sees only the l
 prompt (summarisation, code edits); n-gram lookup does exactly that and nothing else. Merged,
 the scheduler keeps whichever candidates its confidences favour, per request and per round.
 
-Merging (`merge_trees`):
-- greedy requests: paths with the same tokens become one node whose confidence is the larger
-  of the two. Every proposal is deterministic there, so nothing depends on chance;
-- sampled requests: no de-duplication. Each drafter's tree hangs under the anchor in the given
-  order, so siblings stay independent proposals, each checked against the residual left by
-  the ones before it (`dspark.verify.verify_sampling`), and every confidence is still the
-  drafter's own, a function of the ancestors only. Output keeps the target's distribution.
+Merging (`merge_trees`): paths with the same tokens become one node whose confidence is the
+larger of the two. Verification follows the target's own token at each position, greedy or
+sampled (`dspark.verify`), so a second copy of a path could never add anything.
 
 Each sub-drafter keeps its own `DraftRequest` (its own state dict, the same token list and
-sampling stream) and learns only from its own nodes: `observe` maps the verified tree back
+sampling noise) and learns only from its own nodes: `observe` maps the verified tree back
 onto each drafter's proposal by token path.
 """
 
@@ -26,24 +22,20 @@ from dspark.drafters.base import DraftRequest, Drafter, DrafterBase, VerifyOutco
 from dspark.tree import DraftTree
 
 
-def merge_trees(trees: list[DraftTree], dedup: bool) -> DraftTree:
-    """One tree holding every node of `trees`, earlier trees' siblings first.
-
-    dedup=True: a node whose token path already exists is folded into it (confidence = max).
-    """
+def merge_trees(trees: list[DraftTree]) -> DraftTree:
+    """One tree holding every token path of `trees`, earlier trees' siblings first; a path
+    proposed twice is one node with the larger confidence."""
     out = DraftTree()
-    node_of: dict[tuple[int, ...], int] = {}  # token path -> merged node (dedup only)
+    node_of: dict[tuple[int, ...], int] = {}  # token path -> merged node
     for tree in trees:
         new_index: list[int] = []
-        for tok, parent, conf, q, path in zip(tree.tokens, tree.parents, tree.confidence, tree.q, _paths(tree)):
-            merged_parent = new_index[parent] if parent >= 0 else -1
-            if dedup and path in node_of:
+        for tok, parent, conf, path in zip(tree.tokens, tree.parents, tree.confidence, _paths(tree)):
+            if path in node_of:
                 i = node_of[path]
                 out.confidence[i] = max(out.confidence[i], conf)
             else:
-                i = out.add(tok, merged_parent, conf, q)
-                if dedup:
-                    node_of[path] = i
+                i = out.add(tok, new_index[parent] if parent >= 0 else -1, conf)
+                node_of[path] = i
             new_index.append(i)
     return out
 
@@ -91,9 +83,8 @@ class UnionDrafter(DrafterBase):
         return [hidden[s] for s in self._slots[j]]
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        gen = request.state.get("generator")  # the engine's per-request sampling stream, shared
         # same token list object: the engine extends it in place after every round
-        subs = [DraftRequest(request.request_id, request.token_ids, request.sampling, {"generator": gen}) for _ in self.drafters]
+        subs = [DraftRequest(request.request_id, request.token_ids, request.sampling, noise=request.noise) for _ in self.drafters]
         request.state["union"] = subs
         for j, (drafter, sub) in enumerate(zip(self.drafters, subs)):
             drafter.start(sub, self._hidden_for(j, prompt_hidden))
@@ -105,7 +96,7 @@ class UnionDrafter(DrafterBase):
         for b, r in enumerate(requests):
             own = [trees[b] for trees in per_drafter]
             r.state["proposed"] = own
-            merged.append(merge_trees(own, dedup=r.sampling.greedy))
+            merged.append(merge_trees(own))
         return merged
 
     def observe(self, request: DraftRequest, outcome: VerifyOutcome) -> None:

@@ -38,7 +38,6 @@ def load_drafter(
     target,
     options: DrafterOptions | None = None,
     allow_name_mismatch: bool = False,
-    seed: int = 0,
     full_vocab: bool = False,
     copy_prior: bool = True,
 ) -> DSparkDrafter:
@@ -58,7 +57,6 @@ def load_drafter(
         ck.temperatures,
         options=options,
         eos_token_ids=target.eos_token_ids,
-        seed=seed,
         draft_vocab=vocab,
         offsets=ck.offsets,
         copy=ck.copy_prior if copy_prior else None,

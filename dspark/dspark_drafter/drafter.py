@@ -11,18 +11,17 @@ one call (`project_context`) before drafting.
 
 `propose` runs ONE batched backbone forward for all requests, then walks the Markov head left
 to right:
-- greedy requests: the argmax chain (q = None). Where the Markov head's top choices are close
-  (p_2 >= branch_ratio * p_1) it adds the next `branch_width - 1` candidates as deterministic
-  siblings (q = None), each optionally continued greedily for `branch_extend` more tokens;
-- sampling requests: a chain sampled from the Markov-biased distribution after the request's
-  SamplingParams, that distribution stored in q.
+- greedy requests: the argmax chain. Where the Markov head's top choices are close
+  (p_2 >= branch_ratio * p_1) it adds the next `branch_width - 1` candidates as siblings,
+  each optionally continued greedily for `branch_extend` more tokens;
+- sampling requests: a chain drawn from the Markov-biased distribution after the request's
+  SamplingParams, with the noise the target draws the same token indices with.
 Confidence c_k = sigmoid((w · [h_k ; W1[x_{k-1}]] + b) / T_k) uses the parent's token only. A
 sibling candidate j (j >= 2) gets (1 - c_k) · p_j / (1 - p_1): the miss mass shared in
 proportion to the drafter's own probabilities (a function of the ancestors only).
 
 With a reduced draft vocabulary (`dspark.dspark_drafter.vocab`) every distribution above is
-over those tokens only; a sampled chain's q is zero elsewhere, which rejection sampling
-handles exactly.
+over those tokens only (verification still checks each draft against the full target).
 
 With a copy rule (`dspark.dspark_drafter.copy_prior`) each Markov step also rescores the
 tokens that followed the latest earlier occurrences of the path's last n-grams, in the
@@ -30,7 +29,7 @@ committed sequence (`request.state["ngrams"]`) or along the drafted path itself:
 `CopyPrior` adds a bonus by the n-gram's order and the kind of match (seen once, always
 continued alike, or not), a `CopyScorer` sets the logit to l_top1 + u(c), its learned utility.
 A copied token outside the draft vocabulary gets an extra column scored from its LM-head row,
-so distributions are over the draft vocabulary plus those columns (a sampled chain's q too).
+so distributions are over the draft vocabulary plus those columns.
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ class DSparkDrafter(DrafterBase):
         temperatures: list[float] | None = None,
         options: DrafterOptions | None = None,
         eos_token_ids: list[int] | None = None,
-        seed: int = 0,
         draft_vocab: torch.Tensor | None = None,
         offsets: list[float] | None = None,
         copy: CopyRule | None = None,
@@ -84,7 +82,6 @@ class DSparkDrafter(DrafterBase):
         self.options = options or DrafterOptions()
         self.eos = set(eos_token_ids or [])
         self.device = model.embed_weight.device
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.copy = copy if copy is not None and copy.active else None
         self._corrections = {c: (a, b) for c, a, b in self.copy.confidence} if self.copy is not None else {}  # match class -> (scale, shift)
         self._column: list[int] | None = None  # token id -> its column in the draft vocabulary (-1 outside)
@@ -160,7 +157,7 @@ class DSparkDrafter(DrafterBase):
         index.extend(request.token_ids[index.size :])
 
     def start(self, request: DraftRequest, prompt_hidden: list[torch.Tensor] | None) -> None:
-        for key in ("ctx_kv", "ctx_pending", "ctx_end", "ngrams"):  # the engine keeps its own keys here (e.g. "generator")
+        for key in ("ctx_kv", "ctx_pending", "ctx_end", "ngrams"):
             request.state.pop(key, None)
         self._append_context(request, prompt_hidden)
         self._index_tokens(request)
@@ -316,13 +313,6 @@ class DSparkDrafter(DrafterBase):
             return inside
         return torch.where(columns < vd, inside, extra.gather(1, (columns - vd).clamp(min=0)))
 
-    def _full_q(self, q: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-        """A step's distribution [Vd + E] -> [V] over the whole vocabulary (rejection sampling's q)."""
-        full = self.vocab.to_full(q[: self.vocab.size])
-        if extra is not None:
-            full = full.index_add(0, extra.to(full.device), q[self.vocab.size :])
-        return full
-
     def _matches(self, request: DraftRequest, path: list[int]) -> tuple[int, dict]:
         """The copy rule's (match class, candidates) after the committed tokens plus a drafted `path`."""
         suffix = request.token_ids[-self.copy.span :] + path if self.copy.span else path
@@ -335,11 +325,11 @@ class DSparkDrafter(DrafterBase):
         for k in range(depth):
             matches = [self._matches(request, path)] if self.copy is not None else None
             logits, c, extra = self._step(base_logits[None], conf_h[None], row, k, torch.tensor([prev], device=self.device), hidden[None], matches)
-            q = probs_from_logits(logits[0], request.sampling).cpu()  # [Vd + E]
-            gen = request.state.get("generator") or self.generator  # per-request stream when the engine has one
-            col = torch.multinomial(q, 1, generator=gen)
-            tok = int(self._column_tokens(col[None], None if extra is None else extra.cpu())[0, 0])
-            parent = tree.add(tok, parent, float(c[0]), self._full_q(q, None if extra is None else extra[0].cpu()))
+            q = probs_from_logits(logits[0], request.sampling)  # [Vd + E]
+            columns = torch.arange(q.shape[-1], device=self.device)[None]
+            col_tokens = self._column_tokens(columns, extra)[0]  # [Vd + E] token id of each column
+            tok = int(col_tokens[request.sampling_noise().draw(q, len(request.token_ids) + k, col_tokens)])
+            parent = tree.add(tok, parent, float(c[0]))
             prev = tok
             path.append(tok)
             if self.options.stop_at_eos and tok in self.eos:

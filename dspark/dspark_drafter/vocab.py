@@ -116,10 +116,4 @@ class DraftVocab:
         """Column indices [...] -> the token ids they stand for [...]."""
         return columns if self.token_ids is None else self.token_ids[columns.to(self.token_ids.device)]
 
-    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [Vd] -> [V], zero outside the draft vocabulary (the q of rejection sampling)."""
-        if self.token_ids is None:
-            return probs
-        full = probs.new_zeros(self.vocab_size)
-        full[self.token_ids.to(probs.device)] = probs
-        return full
+

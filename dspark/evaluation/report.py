@@ -360,7 +360,7 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
 
         fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 7), squeeze=False)
         for j, (sc, rows) in enumerate(groups.items()):
-            _grouped_bars(axes[0][j], rows, "mean_accepted_length", f"{sc}: tau (tokens per round)")
+            _grouped_bars(axes[0][j], rows, "mean_accepted_length", f"{sc}: tau (tokens per target forward)")
             _grouped_bars(axes[1][j], rows, "acceptance_rate", f"{sc}: acceptance rate")
         axes[0][0].legend(fontsize=7)
         plots["tau_acceptance_by_category"] = _save(fig, out_dir, "tau_acceptance_by_category")
