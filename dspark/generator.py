@@ -101,21 +101,25 @@ class DSparkGenerator:
         return cls(model, drafter, scheduler, max_batch_size=max_batch_size, truncation=truncation)
 
     # --- validation --------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True, max_new_tokens: int = 0) -> list[int]:
+    def encode(
+        self, prompt: str | Sequence[int] | list[dict], chat: bool = True, max_new_tokens: int = 0, parse_special_tokens: bool = False
+    ) -> list[int]:
         """Token ids for one prompt, or PromptError. Token ids (a list, tuple, 1-D tensor or
-        array of integers) are used as they are."""
-        ids, _ = self._encode(prompt, chat, max_new_tokens)
+        array of integers) are used as they are. Text is literal: a string that spells a
+        control token becomes text tokens, unless `parse_special_tokens`."""
+        ids, _ = self._encode(prompt, chat, max_new_tokens, parse_special_tokens)
         return ids
 
-    def _encode(self, prompt, chat: bool, max_new_tokens: int) -> tuple[list[int], bool]:
+    def _encode(self, prompt, chat: bool, max_new_tokens: int, parse_special_tokens: bool = False) -> tuple[list[int], bool]:
+        literal = not parse_special_tokens
         if prompt is None:
             raise PromptError("empty_prompt", "prompt is None")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("empty_prompt", "prompt is empty or whitespace only")
-            ids = self.target.encode(prompt, chat=chat)
+            ids = self.target.encode(prompt, chat=chat, literal=literal)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.target.encode(check_messages(prompt, self.target), chat=True)
+            ids = self.target.encode(check_messages(prompt, self.target), chat=True, literal=literal)
         elif isinstance(prompt, (torch.Tensor, np.ndarray)):
             integer = prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not (
                 prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
@@ -154,6 +158,7 @@ class DSparkGenerator:
         progress: bool = False,
         seeds: Sequence[int] | None = None,
         time_limit_s: float | None = None,
+        parse_special_tokens: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (same order). Raises PromptError on an invalid prompt
         before any generation starts; validate with `encode` to handle rows one by one.
@@ -161,7 +166,9 @@ class DSparkGenerator:
         Sampling: prompt i uses `seeds[i]` when given (so a row's output does not depend on
         which call or batch it lands in), else `seed + i`.
         time_limit_s: per prompt, wall time from when it enters the batch; a prompt past it
-        stops with finish_reason "time_limit" and keeps the tokens produced so far."""
+        stops with finish_reason "time_limit" and keeps the tokens produced so far.
+        parse_special_tokens: text that spells a control token (`<|im_end|>`) is tokenized as
+        that token instead of as text; only for prompts that are templated on purpose."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts; wrap a single prompt in a list")
         if not is_int(max_new_tokens) or max_new_tokens < 1:
@@ -180,7 +187,7 @@ class DSparkGenerator:
         requests, truncated = [], []
         for i, p in enumerate(prompts):
             try:
-                ids, cut = self._encode(p, chat, max_new_tokens)
+                ids, cut = self._encode(p, chat, max_new_tokens, parse_special_tokens)
             except PromptError as e:
                 raise PromptError(e.kind, f"prompt {i}: {e}") from None
             row_seed = int(seeds[i]) if seeds is not None else (None if seed is None else seed + i)

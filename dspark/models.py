@@ -8,6 +8,7 @@ safetensors model directory, keyed by the file's path, size and mtime.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -140,13 +141,20 @@ def _save_plain(model: PreTrainedModel, out: Path) -> None:
 def resolve_model_dir(name_or_path: str) -> tuple[Path, str]:
     """Map the embedded name, a GGUF file or a local HF directory to a loadable directory
     and a display name. Never a hub id."""
+    path, name = locate_model(name_or_path)
+    return (_dequantise_gguf(path) if path.suffix == ".gguf" else path), name
+
+
+def locate_model(name_or_path: str) -> tuple[Path, str]:
+    """The model's GGUF file or HF directory and its display name, or FileNotFoundError; reads
+    no weights (a launcher checks its options with it before anything runs)."""
     if name_or_path in (EMBEDDED_NAME, "embedded", "default"):
-        return _dequantise_gguf(embedded_gguf_path()), EMBEDDED_NAME
+        return embedded_gguf_path(), EMBEDDED_NAME
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         # The embedded file by path (or a copy of it) is the embedded target: the same name, so
         # its shipped drafter loads (`--drafter auto`, `dspark`; the fingerprint holds the name).
-        return _dequantise_gguf(path), EMBEDDED_NAME if is_embedded_gguf(path) else path.stem
+        return path, EMBEDDED_NAME if is_embedded_gguf(path) else path.stem
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -201,9 +209,14 @@ class TargetModel:
         blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+    def encode(self, prompt: str | list[dict], chat: bool = True, literal: bool = True) -> list[int]:
         """Token ids for a prompt; `chat` wraps a plain string as one user turn when the
-        tokenizer has a chat template. A list of messages always goes through the template."""
+        tokenizer has a chat template. A list of messages always goes through the template.
+
+        literal: text is text. A string in the prompt that spells a control token
+        (`<|im_end|>`, `<|im_start|>system`) becomes ordinary text tokens, so a document cannot
+        open or close a chat turn; only the chat template emits control tokens. False parses
+        them, for callers who pass pre-templated strings on purpose."""
         tok = self.tokenizer
         has_template = bool(getattr(tok, "chat_template", None))
         if isinstance(prompt, list):
@@ -213,11 +226,38 @@ class TargetModel:
         elif chat and has_template:
             messages = [{"role": "user", "content": prompt}]
         else:
-            return tok(prompt, add_special_tokens=True)["input_ids"]
+            return tok(prompt, add_special_tokens=True, split_special_tokens=literal and self.spells_control_token(prompt))["input_ids"]
+        if literal and any(self.spells_control_token(m["content"]) for m in messages):
+            return self._template_with_literal_content(messages)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The strings the tokenizer would turn into special (control) tokens."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return tuple(sorted({t.content for t in decoder.values() if t.special and t.content}))
+
+    def spells_control_token(self, text: str) -> bool:
+        return any(t in text for t in self.control_tokens)
+
+    def _template_with_literal_content(self, messages: list[dict]) -> list[int]:
+        """The chat template's own text tokenized as usual, each message's content with
+        special-token strings split into text. Only used when some content spells a control
+        token, so every other prompt tokenizes exactly as the template alone does."""
+        tok = self.tokenizer
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: never in a template
+        rendered = tok.apply_chat_template(
+            [dict(m, content=mark) for m, mark in zip(messages, marks)], add_generation_prompt=True, tokenize=False
+        )
+        ids: list[int] = []
+        for m, mark in zip(messages, marks):
+            head, _, rendered = rendered.partition(mark)
+            ids += tok(head, add_special_tokens=False)["input_ids"]
+            ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + tok(rendered, add_special_tokens=False)["input_ids"]
 
 
 def load_model(

@@ -32,6 +32,7 @@ DEFAULTS: dict[str, Any] = {
     "prompt_template": "{text}",
     "keep_columns": [],
     "chat": True,
+    "parse_special_tokens": False,
     "target": "smollm2-135m-instruct",
     "drafter": "auto",
     "scheduler": "dspark",
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wall time a row may take from when it starts decoding; a row past it stops and goes to "
                      "dead_letter as time_limit (default: no limit)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, help="apply the target's chat template (default: on)")
+    gen.add_argument("--parse-special-tokens", dest="parse_special_tokens", action=argparse.BooleanOptionalAction,
+                     help="tokenize text that spells a control token (<|im_end|>, <|im_start|>) as that token; off by "
+                     "default, so row text stays text and cannot open or close a chat turn (for prompts templated on purpose)")
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction,
                      help="show a progress bar per engine call (default: when stderr is a terminal)")
 
@@ -365,6 +369,7 @@ def job_spec(options: dict):
             stop=tuple(options["stop"]),
             seed=int(options["seed"]),
             chat=bool(options["chat"]),
+            parse_special_tokens=bool(options["parse_special_tokens"]),
             truncate_prompts=bool(options["truncate_prompts"]),
             progress=bool(options["progress"]),
             row_time_limit_s=None if options["row_time_limit_s"] is None else float(options["row_time_limit_s"]),
@@ -388,6 +393,25 @@ def check_job(options: dict, job) -> None:
     clashes = [c for c in job.prompt.keep_columns if c in GENERATION_COLUMNS or c == TRUNCATED_COLUMN]
     if clashes:
         raise ConfigError(f"--keep-columns {', '.join(clashes)}: these names are output columns already")
+
+
+def check_engine(job) -> None:
+    """The target, drafter and scheduler named by the options exist and parse, checked before
+    anything is written or deleted (no weights are read: the workers load the models)."""
+    from dspark.drafters import check_drafter_spec
+    from dspark.models import locate_model
+    from dspark.schedulers import make_scheduler
+
+    try:
+        _, target_name = locate_model(job.engine.target)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--target: {exc}") from exc
+    for flag, check in (("--drafter", lambda: check_drafter_spec(job.engine.drafter, target_name)),
+                        ("--scheduler", lambda: make_scheduler(job.engine.scheduler))):
+        try:
+            check()
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"{flag}: {exc}") from exc
 
 
 LOCAL_RUNNERS = ("DirectRunner", "direct", "PrismRunner", "prism", "InteractiveRunner")
@@ -435,8 +459,10 @@ def check_run(options: dict):
     job = job_spec(options)
     check_job(options, job)
     check_remote_paths(options["runner"], {"--input": options["input"], "--output": options["output"]})
-    pre = check_inputs(options["input"], job.prompt.required_columns(), skip_bad_files=job.skip_bad_files)
+    pre = check_inputs(options["input"], job.prompt.required_columns(), skip_bad_files=job.skip_bad_files,
+                       text_column=job.prompt.text_column)
     pre.shards = limit_rows(pre.shards, options["limit_per_shard"])
+    check_engine(job)
     for problem in pre.skipped:
         LOG.warning("Skipping %s", problem.message())
     LOG.info("Input: %d shard(s), %d row(s)%s", len(pre.shards), pre.num_rows,
@@ -481,13 +507,16 @@ def run(argv: list[str] | None = None, generator_factory=None, on_progress=None)
     `on_progress(shard, stage)` is called as each input file's outputs are written (tests use it
     to crash a job part-way)."""
     from transforms.job import job_settings, unit_identities
-    from transforms.outputs import prepare_output
+    from transforms.outputs import check_writable, prepare_output
     from transforms.summary import beam_counters, build_summary, write_summary
 
     options, beam_flags = resolve_options(list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
     job, pre = check_run(options)
+    check_writable(job.output)  # before anything is deleted or any model loads
     plan = prepare_output(job.output, bool(options["resume"]), unit_identities(pre), job_settings(job))
+    for shard in plan.changed:
+        LOG.warning("Input file changed since its outputs were written; generating it again: %s", shard)
     if options["resume"]:
         LOG.info("Resuming: %d input file(s) already complete, %d to process%s", len(plan.complete), len(plan.todo),
                  f"; keeping {len(plan.kept_other)} complete file(s) not in this input" if plan.kept_other else "")
@@ -501,7 +530,8 @@ def run(argv: list[str] | None = None, generator_factory=None, on_progress=None)
     wall_s = time.perf_counter() - started
     skipped = [{"file": f.path, "error_type": f.error_type, "error": f.error} for f in pre.skipped]
     resume = {"resumed": bool(options["resume"]), "files_already_complete": len(plan.complete),
-              "files_processed": len(plan.todo), "complete_files_kept_from_other_inputs": len(plan.kept_other)}
+              "files_processed": len(plan.todo), "files_changed_since": plan.changed,
+              "complete_files_kept_from_other_inputs": len(plan.kept_other)}
     summary = build_summary(options["output"], wall_s, printable_config(options) | {"beam_flags": beam_flags},
                             counters, skipped) | {"resume": resume}
     path = write_summary(options["output"], summary)
@@ -520,14 +550,14 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transforms.outputs import ResumeError
+    from transforms.outputs import OutputError, ResumeError
     from transforms.preflight import BadInputError  # imports Beam before logging is configured: less noise
 
     configure_logging()
 
     try:
         run(argv)
-    except (BadInputError, ConfigError, ResumeError) as exc:  # bad input or options: a message, not a traceback
+    except (BadInputError, ConfigError, ResumeError, OutputError) as exc:  # the user's to fix: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

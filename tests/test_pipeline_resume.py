@@ -92,7 +92,7 @@ def test_property_resume_after_a_crash_keeps_every_row_exactly_once(tiny_model, 
     got, expected = conserved(ids_by_shard, out)
     assert got == expected
     assert summary["resume"] == {"resumed": True, "files_already_complete": n, "files_processed": len(ids_by_shard) - n,
-                                 "complete_files_kept_from_other_inputs": 0}
+                                 "files_changed_since": [], "complete_files_kept_from_other_inputs": 0}
     assert set(markers(out)) == set(ids_by_shard)
     assert summary["totals"]["num_records"] == sum(len(rows) for rows in shards)
     metrics = read_folder(out, "shard_metrics")
@@ -186,7 +186,9 @@ def test_resume_refuses_outputs_of_other_settings_and_a_plain_rerun_replaces_the
     # a shard whose rows changed since its marker was written is processed again
     write_shard(tmp_path / "b.parquet", [{"id": "b0", "text": sentence(5)}, {"id": "b1", "text": sentence(6)}])
     summary = cli.run(args + ["--max-new-tokens", "3", "--limit-per-shard", "1", "--resume"])
-    assert summary["resume"]["files_already_complete"] == 2  # --limit-per-shard 1: b's first row is unchanged
+    # b's first row is unchanged, but the file is not: it is generated again (its size and footer changed)
+    assert summary["resume"]["files_already_complete"] == 1
+    assert summary["resume"]["files_changed_since"] == [str(tmp_path / "b.parquet")]
     summary = cli.run(args + ["--max-new-tokens", "3", "--limit-per-shard", "2", "--resume"])
     assert (summary["resume"]["files_already_complete"], summary["resume"]["files_processed"]) == (0, 2)
     assert sorted(g["id"] for g in read_folder(out, "generations")) == ["a0", "a1", "b0", "b1"]

@@ -395,3 +395,17 @@ def test_time_limit_letter_names_limit_time_and_tokens():
     assert (letter.id, letter.shard, letter.error_type) == ("r1", "s.parquet", "time_limit")
     assert letter.error == "row time limit 0.5 s reached after 0.712 s with 3 token(s) generated (--row-time-limit-s)"
     assert time_limit_kwargs(None) == {} and time_limit_kwargs(2.0) == {"time_limit_s": 2.0}
+
+
+def test_preflight_an_odd_first_file_does_not_decide_the_schema(tmp_path):
+    """A shard whose text column is all null (Arrow type null) sorts first: it is the one
+    skipped, not every good file after it; other columns follow the type most files have."""
+    pq.write_table(pa.table({"id": ["n0"], "text": pa.nulls(1)}), tmp_path / "a-null.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "text": ["x", "y"]}), tmp_path / "b-int-ids.parquet")
+    for name in ("c.parquet", "d.parquet"):
+        pq.write_table(good_table(), tmp_path / name)
+    pre = check_inputs(str(tmp_path / "*.parquet"), ["id", "text"], skip_bad_files=True, text_column="text")
+    assert [Path(s.path).name for s in pre.shards] == ["c.parquet", "d.parquet"]
+    skipped = {Path(p.path).name: p.error for p in pre.skipped}
+    assert set(skipped) == {"a-null.parquet", "b-int-ids.parquet"}
+    assert "text: null (but string" in skipped["a-null.parquet"] and "id: int64 (but string" in skipped["b-int-ids.parquet"]

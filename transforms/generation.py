@@ -32,7 +32,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from transforms.prompts import clip, render
+from transforms.prompts import clip, render, text_fields
 from transforms.records import BatchReport, DeadLetter, GenerationRecord, PromptRow, SpecStats
 from transforms.schema import ErrorType
 
@@ -73,6 +73,7 @@ class DecodeSpec:
     stop: tuple[str, ...] = ()
     seed: int = 0
     chat: bool = True
+    parse_special_tokens: bool = False  # False: row text that spells a control token stays text
     truncate_prompts: bool = False
     progress: bool = False
     row_time_limit_s: float | None = None  # per row, from when it starts decoding; None = no limit
@@ -238,10 +239,11 @@ class Encoded:
 def shorten_to_fit(row: PromptRow, text_column: str, template: str, encode: Callable[[str], list[int]], tokenizer) -> Encoded | None:
     """Cut the end of the text column, token-wise, until the rendered prompt fits (binary search
     over the number of text tokens kept). None if even one text token does not fit."""
-    text_ids = tokenizer(row.template_values[text_column], add_special_tokens=False)["input_ids"]
+    fields = text_fields(row.template_values, text_column)
+    text_ids = tokenizer(row.template_values[fields[0]], add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def attempt(keep: int) -> Encoded | None:
-        values = dict(row.template_values, **{text_column: tokenizer.decode(text_ids[:keep])})
+        values = dict(row.template_values, **{f: tokenizer.decode(text_ids[:keep]) for f in fields})
         try:
             return Encoded(row, encode(render(template, values)), truncated=True)
         except Exception:
@@ -301,7 +303,8 @@ class GenerateBatchDoFn(beam.DoFn):
         gen, encoded, dead = self._holder.generator, [], []
 
         def encode(prompt: str) -> list[int]:
-            return gen.encode(prompt, chat=self.decode.chat, max_new_tokens=self.decode.max_new_tokens)
+            return gen.encode(prompt, chat=self.decode.chat, max_new_tokens=self.decode.max_new_tokens,
+                              parse_special_tokens=self.decode.parse_special_tokens)
 
         for row in rows:
             try:
@@ -313,7 +316,7 @@ class GenerateBatchDoFn(beam.DoFn):
                     dead.append(DeadLetter(row.id, row.shard, ErrorType.PROMPT_ERROR, clip(f"{type(exc).__name__}: {exc}")))
                     continue
                 error = exc
-            if kind == "too_long" and self.decode.truncate_prompts and self.text_column in row.template_values:
+            if kind == "too_long" and self.decode.truncate_prompts and text_fields(row.template_values, self.text_column):
                 shorter = shorten_to_fit(row, self.text_column, self.template, encode, gen.target.tokenizer)
                 if shorter is not None:
                     self.truncated.inc()

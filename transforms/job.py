@@ -72,7 +72,7 @@ def job_settings(job: JobSpec) -> dict:
 
 def unit_identities(pre: Preflight) -> dict[str, dict]:
     """Every input file the job accounts for (shards and skipped files) -> its identity."""
-    units = {s.path: shard_identity(s.num_rows, s.row_group_rows) for s in pre.shards}
+    units = {s.path: shard_identity(s.num_rows, s.row_group_rows, s.fingerprint) for s in pre.shards}
     units.update({f.path: skipped_identity(f.error_type) for f in pre.skipped})
     return units
 

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
+from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.metrics import Metrics
 
 from transforms import schema as S
@@ -55,6 +56,10 @@ ProgressHook = Callable[[str, str], None]
 
 class ResumeError(ValueError):
     """`--resume` into an output folder that another configuration wrote."""
+
+
+class OutputError(OSError):
+    """The output location cannot be written."""
 
 
 # --- names and paths ---------------------------------------------------------------------
@@ -87,9 +92,10 @@ def marker_file(output: str, name: str) -> str:
 
 
 # --- what a marker says ------------------------------------------------------------------
-def shard_identity(num_rows: int, row_group_rows: Iterable[int]) -> dict:
+def shard_identity(num_rows: int, row_group_rows: Iterable[int], fingerprint: str = "") -> dict:
     """What must not have changed in an input shard for its old outputs to stand."""
-    return {"kind": "shard", "num_rows": int(num_rows), "row_group_rows": [int(n) for n in row_group_rows]}
+    return {"kind": "shard", "num_rows": int(num_rows), "row_group_rows": [int(n) for n in row_group_rows],
+            "fingerprint": fingerprint}
 
 
 def skipped_identity(error_type: str) -> dict:
@@ -132,6 +138,7 @@ class ResumePlan:
 
     complete: list[str] = field(default_factory=list)
     todo: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)  # in todo: complete once, but the input file changed since
     kept_other: list[str] = field(default_factory=list)  # complete shards not in this job's input
 
 
@@ -156,11 +163,19 @@ def plan_resume(markers: list[Marker], units: dict[str, dict], settings: dict) -
     for shard, identity in sorted(units.items()):
         m = by_shard.get(shard)
         (plan.complete if m is not None and m.identity == normalised(identity) else plan.todo).append(shard)
+        if m is not None and m.identity != normalised(identity):
+            plan.changed.append(shard)
     plan.kept_other = sorted(set(by_shard) - set(units))
     return plan
 
 
 # --- filesystem --------------------------------------------------------------------------
+def literal(path: str) -> str:
+    """`path` as a match pattern that matches only itself: an output folder named `g[1]` is
+    that folder, never the glob that also matches `g1`."""
+    return re.sub(r"[*?[]", lambda m: r"[\[]" if m.group() == "[" else f"[{m.group()}]", path)
+
+
 def matching(pattern: str) -> list[str]:
     try:
         return sorted(m.path for r in FileSystems.match([pattern]) for m in r.metadata_list)
@@ -175,7 +190,7 @@ def read_text(path: str) -> str:
 
 def read_markers(output: str) -> list[Marker]:
     markers = []
-    for path in matching(inside(output, S.COMPLETE_DIR, "*" + MARKER)):
+    for path in matching(literal(inside(output, S.COMPLETE_DIR)) + "/*" + MARKER):
         try:
             markers.append(Marker.from_json(read_text(path)))
         except Exception as exc:  # a torn marker means an incomplete shard: redo it
@@ -185,28 +200,45 @@ def read_markers(output: str) -> list[Marker]:
 
 def existing_outputs(output: str) -> list[str]:
     """Every file this job may have written under DIR (data, markers, temporary files)."""
-    patterns = [inside(output, folder, "*" + PARQUET + "*") for folder in DATA_FOLDERS]
-    patterns.append(inside(output, S.COMPLETE_DIR, "*"))
+    patterns = [literal(inside(output, folder)) + "/*" + PARQUET + "*" for folder in DATA_FOLDERS]
+    patterns.append(literal(inside(output, S.COMPLETE_DIR)) + "/*")
     return sorted({p for pattern in patterns for p in matching(pattern)})
 
 
 def delete_files(paths: list[str]) -> None:
+    """Delete exactly these files. Beam's local filesystem matches the paths it deletes as
+    globs (other filesystems take them as they are), so local paths are escaped."""
     if paths:
-        FileSystems.delete(paths)
+        FileSystems.delete([literal(p) if isinstance(FileSystems.get_filesystem(p), LocalFileSystem) else p for p in paths])
 
 
 def prepare_output(output: str, resume: bool, units: dict[str, dict], settings: dict) -> ResumePlan:
     """Before the job runs: without `resume`, delete all previous outputs and process every unit;
     with it, keep the complete units' files, delete everything else, process the rest."""
+    summary = [f for f in matching(literal(inside(output, S.RUN_SUMMARY_FILE)))]
     if not resume:
+        delete_files(summary)  # first: from here on the folder no longer claims a finished run
         delete_files(existing_outputs(output))
         return ResumePlan(todo=sorted(units))
     markers = read_markers(output)
     plan = plan_resume(markers, units, settings)
+    delete_files(summary)
     done = set(plan.complete) | set(plan.kept_other)
     keep = {f for m in markers if m.shard in done for f in m.files(output)}
     delete_files([f for f in existing_outputs(output) if f not in keep])
     return plan
+
+
+def check_writable(output: str) -> None:
+    """Create and remove a probe file in DIR, so an output location that cannot be written
+    fails before any model loads or any old output is deleted. Raises OutputError."""
+    probe = inside(output, f".dspark-write-probe{TMP_TAG}{uuid.uuid4().hex}")
+    try:
+        with FileSystems.create(probe, mime_type="application/octet-stream") as f:
+            f.write(b"probe")
+        delete_files([probe])
+    except Exception as exc:
+        raise OutputError(f"cannot write to --output {output}: {type(exc).__name__}: {exc}") from exc
 
 
 def write_text_atomically(path: str, text: str) -> None:
@@ -250,7 +282,7 @@ class ParquetFileWriter:
         try:
             self.writer.close()
             self.handle.close()
-            delete_files(matching(self.tmp))
+            delete_files(matching(literal(self.tmp)))
         except Exception:  # cleanup must never hide the original error
             pass
 

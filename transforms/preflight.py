@@ -9,6 +9,8 @@ in every file. With `skip_bad_files`, bad files become file-level dead-letter en
 from __future__ import annotations
 
 import concurrent.futures
+from collections import Counter
+import hashlib
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -30,6 +32,7 @@ class ShardFile:
     path: str
     num_rows: int
     row_group_rows: tuple[int, ...]
+    fingerprint: str = ""  # size, modification time and footer hash: changes when the file is rewritten
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def limit_rows(shards: list[ShardFile], per_shard: int | None) -> list[ShardFile
         for n in s.row_group_rows:
             groups.append(min(n, left))
             left -= groups[-1]
-        limited.append(ShardFile(s.path, sum(groups), tuple(groups)))
+        limited.append(ShardFile(s.path, sum(groups), tuple(groups), s.fingerprint))
     return limited
 
 
@@ -106,6 +109,21 @@ def read_schema(path: str) -> tuple[pa.Schema, tuple[int, ...]]:
         return schema, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
 
 
+def file_fingerprint(path: str) -> str:
+    """Size, modification time and a hash of the Parquet footer (which holds every column
+    chunk's offsets, sizes and statistics): a rewritten file gets another fingerprint, also
+    with the same row count. Reads only the footer."""
+    with open_binary(path) as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(size - 8)
+        footer_len = int.from_bytes(f.read(4), "little")
+        f.seek(size - 8 - footer_len)
+        footer = f.read(footer_len)
+    digest = hashlib.sha256(footer).hexdigest()[:16]
+    return f"{size}:{FileSystems.last_updated(path):.0f}:{digest}"
+
+
 def inspect_file(path: str, required: list[str]) -> tuple[ShardFile, dict[str, pa.DataType]] | FileProblem:
     """Open one file's footer and check its columns; a problem is returned, not raised."""
     try:
@@ -120,23 +138,36 @@ def inspect_file(path: str, required: list[str]) -> tuple[ShardFile, dict[str, p
             f"missing column(s) {', '.join(map(repr, missing))}; columns found: {', '.join(schema.names) or '(none)'}",
         )
     types = {c: normalise_type(schema.field(c).type) for c in required}
-    return ShardFile(path, sum(row_groups), row_groups), types
+    return ShardFile(path, sum(row_groups), row_groups, file_fingerprint(path)), types
 
 
-def _schema_problems(inspected: list[tuple[ShardFile, dict[str, pa.DataType]]]) -> list[FileProblem]:
-    """Files whose needed columns' types differ from the first good file's (the reference)."""
+def is_text_type(t: pa.DataType) -> bool:
+    """Types a text column may have (strings, or bytes holding UTF-8), after `normalise_type`."""
+    return pa.types.is_string(t) or pa.types.is_binary(t)
+
+
+def _schema_problems(inspected: list[tuple[ShardFile, dict[str, pa.DataType]]], text_column: str | None) -> list[FileProblem]:
+    """Files whose needed columns' types differ from the expected ones. Expected: for each
+    column, the type most files give it (ties: the first file by path), counting only files
+    whose text column holds text when there are any; so one odd file never decides what the
+    good ones are. (A text column of another type in every file reaches the rows, which then
+    go to dead_letter one by one.)"""
     if not inspected:
         return []
-    ref_file, ref_types = inspected[0]
+    textual = [(s, t) for s, t in inspected if text_column is None or is_text_type(t[text_column])]
+    voters = textual or inspected
+    expected = {c: Counter(types[c] for _, types in voters).most_common(1)[0][0] for c in inspected[0][1]}
     problems = []
-    for shard, types in inspected[1:]:
-        diffs = [f"{c}: {types[c]} (but {ref_types[c]} in {ref_file.path})" for c in ref_types if types[c] != ref_types[c]]
+    for shard, types in inspected:
+        diffs = [f"{c}: {types[c]} (but {expected[c]} in most files)" for c in expected if types[c] != expected[c]]
         if diffs:
             problems.append(FileProblem(shard.path, ErrorType.FILE_SCHEMA_MISMATCH, "schema disagrees with other shards: " + "; ".join(diffs)))
     return problems
 
 
-def check_inputs(pattern: str, required: list[str], skip_bad_files: bool = False, max_workers: int = 16) -> Preflight:
+def check_inputs(
+    pattern: str, required: list[str], skip_bad_files: bool = False, max_workers: int = 16, text_column: str | None = None
+) -> Preflight:
     """Expand the glob and check every file. Raises BadInputError naming the first bad file (in
     path order) unless `skip_bad_files`, in which case bad files are listed in `skipped`."""
     paths = expand_glob(pattern)
@@ -144,7 +175,7 @@ def check_inputs(pattern: str, required: list[str], skip_bad_files: bool = False
         results = list(pool.map(lambda p: inspect_file(p, required), paths))
     problems = [r for r in results if isinstance(r, FileProblem)]
     good = [r for r in results if not isinstance(r, FileProblem)]
-    mismatched = _schema_problems(good)
+    mismatched = _schema_problems(good, text_column)
     bad_paths = {p.path for p in mismatched}
     good = [g for g in good if g[0].path not in bad_paths]
     problems = sorted(problems + mismatched, key=lambda p: p.path)

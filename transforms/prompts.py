@@ -1,7 +1,8 @@
 """Turning an input row into a prompt, or into a dead letter that says why not.
 
-Pure functions (no Beam, no model): the template may use `{text}` and any other column by
-name; only plain names are allowed, so a template cannot reach attributes (`{text.__class__}`).
+Pure functions (no Beam, no model): the template may use `{text}`, which is always the text
+column (`--text-column`, whatever its name), and any other column by name; only plain names
+are allowed, so a template cannot reach attributes (`{text.__class__}`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transforms.schema import ErrorType
 CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ERROR_CHARS = 500
+TEXT_FIELD = "text"  # the template field that always means the text column
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,10 +59,19 @@ class PromptSpec:
     def template_columns(self) -> tuple[str, ...]:
         return template_fields(self.template)
 
+    def column_of(self, field: str) -> str:
+        """The input column a template field reads: {text} is the text column."""
+        return self.text_column if field == TEXT_FIELD else field
+
     def required_columns(self) -> list[str]:
         """Columns to read, in a stable order: id, text, template fields, kept columns."""
-        ordered = [self.id_column, self.text_column, *self.template_columns, *self.keep_columns]
+        ordered = [self.id_column, self.text_column, *map(self.column_of, self.template_columns), *self.keep_columns]
         return list(dict.fromkeys(ordered))
+
+
+def text_fields(values: dict[str, str], text_column: str) -> list[str]:
+    """The template fields of a rendered row that hold the text column."""
+    return [f for f in (TEXT_FIELD, text_column) if f in values]
 
 
 def clip(message: str) -> str:
@@ -138,7 +149,7 @@ def to_prompt(row: InputRow, spec: PromptSpec) -> PromptRow | DeadLetter:
         return dead(*problem)
     values: dict[str, str] = {}
     for name in spec.template_columns:
-        raw = row.values.get(spec.text_column) if name == spec.text_column else row.values.get(name)
+        raw = row.values.get(spec.column_of(name))
         value = field_value(raw)
         if isinstance(value, InvalidUtf8):
             return dead(ErrorType.INVALID_UTF8, f"column {name!r} holds bytes that are not valid UTF-8")
@@ -154,7 +165,7 @@ def to_prompt(row: InputRow, spec: PromptSpec) -> PromptRow | DeadLetter:
         )
     if dirty:
         values = {name: CONTROL_CHARS.sub("", value) for name, value in values.items()}
-        if spec.text_column in values and not values[spec.text_column].strip():
+        if any(not values[f].strip() for f in text_fields(values, spec.text_column)):
             return dead(ErrorType.EMPTY_TEXT, f"column {spec.text_column!r} is empty once control characters are removed")
     try:
         prompt = render(spec.template, values)

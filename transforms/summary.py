@@ -14,7 +14,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from dspark.metrics import ratio, speculation_rates
 from transforms import schema as S
-from transforms.outputs import Marker, read_markers
+from transforms.outputs import Marker, literal, read_markers, write_text_atomically
 from transforms.preflight import open_binary
 
 VERSIONED_PACKAGES = ("dspark", "apache-beam", "torch", "transformers", "pyarrow", "numpy")
@@ -32,7 +32,7 @@ def package_versions() -> dict[str, str | None]:
 
 def read_output_table(output: str, folder: str) -> list[dict]:
     """All rows of one output folder (`DIR/folder/*.parquet`), as dicts."""
-    pattern = "/".join([output.rstrip("/"), folder, "*.parquet"])
+    pattern = literal("/".join([output.rstrip("/"), folder])) + "/*.parquet"
     rows: list[dict] = []
     for match in FileSystems.match([pattern]):
         for meta in sorted(match.metadata_list, key=lambda m: m.path):
@@ -100,7 +100,8 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
 
 
 def write_summary(output: str, summary: dict) -> str:
+    """Written last, under a temporary name renamed into place: a folder whose run did not
+    finish has no run_summary.json (the run deletes the old one before anything else)."""
     path = "/".join([output.rstrip("/"), S.RUN_SUMMARY_FILE])
-    with FileSystems.create(path, mime_type="application/json") as f:
-        f.write(json.dumps(summary, indent=2, sort_keys=False, default=str).encode("utf-8"))
+    write_text_atomically(path, json.dumps(summary, indent=2, sort_keys=False, default=str))
     return path

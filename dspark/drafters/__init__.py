@@ -18,12 +18,15 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from dspark.drafters.base import DraftRequest, Drafter, DrafterBase, NoDrafter, VerifyOutcome
 from dspark.drafters.ngram import NgramDrafter
 from dspark.models import TargetModel
 
-__all__ = ["DraftRequest", "Drafter", "DrafterBase", "NoDrafter", "NgramDrafter", "VerifyOutcome", "make_drafter"]
+__all__ = ["DraftRequest", "Drafter", "DrafterBase", "NoDrafter", "NgramDrafter", "VerifyOutcome", "check_drafter_spec", "make_drafter"]
+
+DSPARK_NAMES = ("dspark", "dspark-full", "dspark-nocopy", "dspark-chain")
 
 LOG = logging.getLogger(__name__)
 
@@ -47,11 +50,7 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
     if name in ("none", "ar", ""):
         return NoDrafter()
     if name == "ngram":
-        max_n, _, min_n = arg.partition(":")
-        kwargs = {"max_ngram": int(max_n)} if max_n else {}
-        if min_n:
-            kwargs["min_ngram"] = int(min_n)
-        return NgramDrafter(**kwargs)
+        return ngram_from_arg(arg)
     if name == "draft-model":
         if not arg:
             raise ValueError("draft-model needs a path: draft-model:/path/to/model")
@@ -60,12 +59,51 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
 
         draft = load_model(arg, device=str(target.device), dtype=target.dtype)
         return DraftModelDrafter(draft, target)
-    if name in ("dspark", "dspark-full", "dspark-nocopy", "dspark-chain"):
+    if name in DSPARK_NAMES:
         from dspark.dspark_drafter import DrafterOptions, load_drafter  # the trained block drafter (issue 3)
 
         options = DrafterOptions(branch_width=1) if name == "dspark-chain" else None
         return load_drafter(arg or None, target, options=options, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")
-    raise ValueError(
+    raise unknown_drafter(spec)
+
+
+def ngram_from_arg(arg: str) -> NgramDrafter:
+    """`ngram[:MAX[:MIN]]`'s argument -> the drafter (ValueError for sizes it refuses)."""
+    max_n, _, min_n = arg.partition(":")
+    kwargs = {"max_ngram": int(max_n)} if max_n else {}
+    if min_n:
+        kwargs["min_ngram"] = int(min_n)
+    return NgramDrafter(**kwargs)
+
+
+def unknown_drafter(spec: str) -> ValueError:
+    return ValueError(
         f"unknown drafter {spec!r}; choose auto, none, ngram, draft-model:PATH, dspark[:PATH], dspark-full[:PATH], "
         "dspark-nocopy[:PATH], dspark-chain[:PATH] or a union A+B"
     )
+
+
+def check_drafter_spec(spec: str, target_name: str) -> None:
+    """What `make_drafter` would refuse for a target of this display name, found without
+    loading anything: an unknown name, bad n-gram sizes, a missing model or checkpoint.
+    Raises ValueError or FileNotFoundError."""
+    from dspark.dspark_drafter import DEFAULT_CHECKPOINTS
+    from dspark.models import locate_model
+
+    for part in spec.split("+"):
+        name, _, arg = part.strip().partition(":")
+        if name in ("auto", "none", "ar", ""):
+            continue
+        if name == "ngram":
+            ngram_from_arg(arg)
+        elif name == "draft-model":
+            if not arg:
+                raise ValueError("draft-model needs a path: draft-model:/path/to/model")
+            locate_model(arg)
+        elif name in DSPARK_NAMES:
+            path = Path(arg) if arg else DEFAULT_CHECKPOINTS.get(target_name)
+            if path is None or not (path / "config.json").is_file():
+                raise FileNotFoundError(f"no DSpark drafter checkpoint at {arg}" if arg else
+                                        f"no DSpark drafter is shipped for target {target_name!r}; pass a checkpoint directory")
+        else:
+            raise unknown_drafter(spec)
