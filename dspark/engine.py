@@ -18,6 +18,7 @@ their output depends on their seed and the target only.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -117,7 +118,7 @@ class SpeculativeEngine:
             req.t_admit = now
             noise = None
             if not req.sampling.greedy:
-                seed = req.seed if req.seed is not None else torch.seed()  # no seed asked for: a fresh random one
+                seed = req.seed if req.seed is not None else secrets.randbits(63)  # no seed asked for: a fresh random one
                 noise = SamplingNoise(seed, self.vocab)
                 first = noise.draw(probs_from_logits(logits[b], req.sampling), len(req.prompt_ids))
             else:
