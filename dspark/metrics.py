@@ -95,24 +95,28 @@ class RequestStats:
     def rejected(self) -> int:
         return self.verified - self.accepted
 
+    def _rate(self, name: str) -> float:
+        value = speculation_rates(verified=self.verified, accepted=self.accepted, rounds=self.rounds,
+                                  emitted=self.emitted, prefills=self.prefills)[name]
+        return 0.0 if value is None else value
+
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.verified if self.verified else 0.0
+        return self._rate("acceptance_rate")
 
     @property
     def correction_rate(self) -> float:
-        return self.rejected / self.verified if self.verified else 0.0
+        return self._rate("correction_rate")
 
     @property
     def mean_accepted_length(self) -> float:
         """tau: output tokens per target forward, the prefill counted as one forward that
         yields the first token (plain decoding: exactly 1.0)."""
-        forwards = self.prefills + self.rounds
-        return self.emitted / forwards if forwards else 0.0
+        return self._rate("mean_accepted_length")
 
     @property
     def mean_verify_budget(self) -> float:
-        return self.verified / self.rounds if self.rounds else 0.0
+        return self._rate("mean_verify_budget")
 
     @property
     def draft_share(self) -> float:

@@ -101,33 +101,27 @@ def open_binary(path: str):
     return FileSystems.open(path, mime_type="application/octet-stream", compression_type=CompressionTypes.UNCOMPRESSED)
 
 
-def read_schema(path: str) -> tuple[pa.Schema, tuple[int, ...]]:
-    """The Arrow schema and row-group sizes from a Parquet footer (reads only the footer)."""
+def read_footer(path: str) -> tuple[pa.Schema, tuple[int, ...], str]:
+    """The Arrow schema, the row-group sizes and a fingerprint from one read of a Parquet
+    footer. The fingerprint is the size, the modification time and a hash of the footer (which
+    holds every column chunk's offsets, sizes and statistics): a rewritten file gets another
+    one, also with the same row count."""
     with open_binary(path) as f:
         meta = pq.ParquetFile(f).metadata
-        schema = meta.schema.to_arrow_schema()
-        return schema, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-
-
-def file_fingerprint(path: str) -> str:
-    """Size, modification time and a hash of the Parquet footer (which holds every column
-    chunk's offsets, sizes and statistics): a rewritten file gets another fingerprint, also
-    with the same row count. Reads only the footer."""
-    with open_binary(path) as f:
         f.seek(0, 2)
         size = f.tell()
         f.seek(size - 8)
         footer_len = int.from_bytes(f.read(4), "little")
         f.seek(size - 8 - footer_len)
-        footer = f.read(footer_len)
-    digest = hashlib.sha256(footer).hexdigest()[:16]
-    return f"{size}:{FileSystems.last_updated(path):.0f}:{digest}"
+        digest = hashlib.sha256(f.read(footer_len)).hexdigest()[:16]
+    row_groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+    return meta.schema.to_arrow_schema(), row_groups, f"{size}:{FileSystems.last_updated(path):.0f}:{digest}"
 
 
 def inspect_file(path: str, required: list[str]) -> tuple[ShardFile, dict[str, pa.DataType]] | FileProblem:
     """Open one file's footer and check its columns; a problem is returned, not raised."""
     try:
-        schema, row_groups = read_schema(path)
+        schema, row_groups, fingerprint = read_footer(path)
     except Exception as exc:  # pyarrow says "magic bytes not found" for truncated and non-Parquet files alike
         return FileProblem(path, ErrorType.FILE_UNREADABLE, f"not a readable Parquet file ({type(exc).__name__}: {exc})")
     missing = [c for c in required if c not in schema.names]
@@ -138,7 +132,7 @@ def inspect_file(path: str, required: list[str]) -> tuple[ShardFile, dict[str, p
             f"missing column(s) {', '.join(map(repr, missing))}; columns found: {', '.join(schema.names) or '(none)'}",
         )
     types = {c: normalise_type(schema.field(c).type) for c in required}
-    return ShardFile(path, sum(row_groups), row_groups, file_fingerprint(path)), types
+    return ShardFile(path, sum(row_groups), row_groups, fingerprint), types
 
 
 def is_text_type(t: pa.DataType) -> bool:
