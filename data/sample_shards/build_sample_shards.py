@@ -1,7 +1,7 @@
 """Build the sample Parquet shards that `python -m pipelines.generate` processes when run with
 no arguments. Deterministic: rerunning it rewrites identical shards.
 
-    python data/sample_shards/build_sample_shards.py [--prompts ../shared/data/prompts]
+    python data/sample_shards/build_sample_shards.py [--prompts data/prompts]
 
 Each shard mixes four domains (chat, math, code, summarisation) so that per-shard metrics are
 comparable; prompts are the first turn of each source record, short ones first so that the
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_PROMPTS = HERE.parents[2] / "shared" / "data" / "prompts"
+DEFAULT_PROMPTS = HERE.parent / "prompts"
 
 # file -> max characters of the first turn (keeps prefill cheap on CPU)
 SOURCES = {
