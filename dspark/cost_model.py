@@ -4,10 +4,9 @@
 carrying w tokens each (an anchor plus w - 1 draft tokens), every row on top of a realistic
 cached context, measured on the actual device and cached per model, device, dtype, threads
 and torch version. Rows and context matter, not just the token count R x w: 8 rows pay
-attention over 8 caches and the CPU kernels switch at 4 rows. On our 2-core CPU (SmolLM2,
-512-token caches) 8 rows of 2 tokens cost 1.13 plain rounds, where a table by total tokens
-(one row on a 128-token cache) said 1.20; one row of 3 tokens costs 1.00-1.03 steps, where
-interpolating that table between 2 and 4 tokens said 1.17. Where the forward packs ragged
+attention over 8 caches, and the CPU kernels switch at a row count measured per machine, so a
+table by total tokens alone (one row on a short cache) misprices both batched rounds and the
+cheap small blocks of batch 1 (docs/cpu-kernels.md). Where the forward packs ragged
 rows (the lean forward on CPU) the table also holds R rows of which one is w wide, so that a
 round whose rows carry different numbers of draft tokens is priced by its total tokens and its
 widest row (`BatchCostTable.ragged_latency`), not as if every row were the widest.
@@ -37,11 +36,10 @@ from dspark.models import TargetModel, cache_root
 
 LOG = logging.getLogger(__name__)
 
-# Widths (tokens per row) profiled: dense where verify rounds live (the CPU kernels change at
-# 3 -> 4 rows), then up to the widest block a drafter's tree reaches (24 nodes + the anchor);
-# wider ones extrapolate linearly from the last two. Widths only up to 8 priced a 14-token
-# block like an 8-token one on the 2-core CPU (40.8 ms by the table, 57 ms measured: the flat
-# stretch from 6 to 8 extrapolated), so the scheduler verified whole trees at batch 1.
+# Widths (tokens per row) profiled: dense where verify rounds live (the CPU kernels change at a
+# few rows), then up to the widest block a drafter's tree reaches (24 nodes + the anchor);
+# wider ones extrapolate linearly from the last two. Without the wide ones a tree would be
+# priced by extrapolating the flat stretch of small widths, far below its real cost.
 PROFILE_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 25)
 # Cached tokens per row while profiling: about a prompt plus part of its answer.
 PROFILE_CONTEXT = 512
@@ -296,7 +294,7 @@ def measure_batch_costs(
 
 
 # A cached table whose 1-token latency is this much slower than a fresh timing was measured
-# on a busy machine (or an older build): profile again rather than under-speculate for ever.
+# on a busy machine: profile again rather than under-speculate for ever.
 STALE_FACTOR = 1.5
 
 

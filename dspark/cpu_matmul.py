@@ -1,34 +1,12 @@
 """Prepacked weights for the multi-token forwards that speculative decoding runs on CPU.
 
 Verifying a draft multiplies every weight matrix by a few rows at once (one per draft token,
-times the batch). PyTorch sends `linear` to MKL's sgemm, which on some CPUs is slow for more
-than a handful of rows. On the 2-core AMD EPYC (AVX2) we develop on, the matmuls of a
-SmolLM2-135M forward (30 layers and the LM head, weights streamed from memory) took, in ms:
-
-    rows                      1     2     3     4     8    16
-    MKL, 2 threads         20.8  21.6  23.3  34.6  42.5  49.3
-    oneDNN packed, 2 thr.  25.6  27.1  27.7  26.8  32.6  41.3
-    MKL, 1 thread          39.7  39.8  43.5  66.3  91.7  96.6
-    oneDNN packed, 1 thr.  47.1  49.2  47.5  47.2  55.3  69.4
-
-MKL's small-row kernels stay at the cost of reading the weights up to 3 rows, then fall off a
-cliff; oneDNN with the weights reordered once into its blocked layout is flat from 1 to 8 rows
-but pays ~20% more at the bottom. On another 2-core AMD EPYC (session 22) oneDNN won at every
-row count, 1 row included:
-
-    rows                      1     2     3     4     8    16
-    MKL, 2 threads         30.7  46.4  57.3  47.8  44.0  52.7
-    oneDNN packed, 2 thr.  21.5  23.9  24.5  27.6  30.3  42.3
-
-And on a 2-core Intel Xeon with AVX-512 (session 35) MKL's own packed GEMM (the weight packed
-once by `sgemm_pack`, each call a `sgemm_compute`) beat oneDNN up to 16 rows and matched plain
-MKL up to 3, while oneDNN won from 24 rows up (121 matmuls shaped like SmolLM2's fused layers,
-fastest of 7; 24 to 64 rows in a second run):
-
-    rows                      1     2     3     4     8    16    24    32    64
-    MKL, 2 threads         23.6  26.8  30.1  45.4  57.9  58.9  59.6  67.9  95.8
-    oneDNN packed, 2 thr.  30.3  31.3  36.4  32.8  39.6  49.6  51.2  60.8  90.9
-    MKL packed, 2 thr.     23.1  25.4  30.9  28.8  34.7  43.9  60.1  65.4 103.1
+times the batch). PyTorch sends `linear` to MKL's sgemm, which on some CPUs slows down sharply
+above a handful of rows, so that verifying four draft tokens costs far more than decoding one.
+Two packed kernels stay nearly flat in the row count: oneDNN's inner product on the weight
+reordered once into its blocked layout, and MKL's own packed GEMM (the weight packed once by
+`sgemm_pack`, each call a `sgemm_compute`). Which of the three wins at which row count differs
+from CPU to CPU (design note: docs/cpu-kernels.md).
 
 So `PackedLinear` runs a call of r rows on one of three kernels (`KernelChoice`): plain MKL
 on the weight itself up to `mkl_max_rows` (0 to 3), MKL's packed GEMM up to
@@ -72,13 +50,13 @@ MKL_PACKED = "mkl-packed"
 KERNELS = (ONEDNN, MKL_PACKED)
 # oneDNN picks its blocking for this many rows; 8-16 is the width of a typical verify round.
 PACK_ROWS_HINT = 16
-# Plain MKL can beat the packed kernels only up to this many rows (tables above); how many it
-# does beat them for is measured per machine.
+# Plain MKL can beat the packed kernels only up to this many rows; how many it does beat them
+# for is measured per machine.
 MKL_CANDIDATE_ROWS = 3
 # Above this many rows (prefill) MKL is as fast, and every new row count would cost a kernel.
 PACKED_MAX_ROWS = 128
 # Row counts timed to choose between the packed kernels (verify rounds from batch 1 to ~16 rows
-# of 4 tokens): MKL's packed GEMM led oneDNN up to 16 rows on the Xeon, oneDNN led from 24.
+# of 4 tokens); where MKL's packed GEMM hands over to oneDNN is measured per machine.
 KERNEL_PROBE_ROWS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Layers timed to choose kernels: enough weight bytes to stream from memory, as a forward does
 # (a sample that fits the CPU's caches would time arithmetic), few enough to pack twice.
@@ -86,8 +64,8 @@ KERNEL_SAMPLE_BYTES = 256 * 2**20
 
 
 def padded_rows(rows: int) -> int:
-    """The bucket a packed call's row count is padded to: exact up to 8 (each row costs ~1.5 ms
-    there for SmolLM2-135M, so padding 5 rows to 8 would waste ~5 ms a round), then multiples of
+    """The bucket a packed call's row count is padded to: exact up to 8 (small verify rounds,
+    where each padded row would be a real share of the round's cost), then multiples of
     4 up to 32, then of 16: at most 20 buckets from mkl_max_rows + 1 to PACKED_MAX_ROWS. oneDNN
     builds a kernel per bucket; both kernels' results are checked per bucket (`fuse_linears`)."""
     if rows <= 8:
@@ -280,11 +258,10 @@ def fuse_linears(parts: list[nn.Module], check: bool = True) -> PackedLinear | N
     """One packed linear whose output is the parts' outputs side by side, [..., sum(out)].
 
     A decoder layer's q/k/v projections read the same input, as do its MLP's gate and up
-    projections: as one matmul each they cost one call instead of three or two. On the 2-core
-    EPYC, 30 SmolLM2 layers' q/k/v/gate/up took 17.5 -> 12.0 ms for one row and 23.2 -> 17.8 ms
-    for 8 (the packed calls have a fixed cost each). Each output column is still the same dot
-    product over the same input, and the kernels split the work by output blocks, not along
-    the reduction, so the results are the parts' to the bit there; `check` asserts that for
+    projections: as one matmul each they cost one call instead of three or two, and each packed
+    call has a fixed cost. Each output column is still the same dot product over the same
+    input, and the kernels split the work by output blocks, not along the reduction, so the
+    results are the parts' to the bit; `check` asserts that for
     every row count a packed call can use (1 to PACKED_MAX_ROWS) and returns None on any
     difference. None too when the parts are not packed alike (they must be `PackedLinear`s over
     one input size with one kernel choice, all with a bias or none). The fused weight is a
@@ -369,6 +346,7 @@ def measure_kernel_choice(linears: list[nn.Linear], kernels: tuple[str, ...] = K
     """Time one pass over a sample of `linears` (`timing_sample`: weights streamed from memory,
     as in a forward) with plain MKL for 1..MKL_CANDIDATE_ROWS rows and with each packed kernel
     for those and KERNEL_PROBE_ROWS rows, interleaved, fastest of `reps`; `choose_kernels`."""
+    LOG.info("Timing the linear kernels on this CPU (once per machine, then cached)")
     sample = timing_sample(linears)
     packed = {k: [PackedLinear(layer, KernelChoice.only(k, 0)) for layer in sample] for k in kernels}
     small = tuple(range(1, MKL_CANDIDATE_ROWS + 1))

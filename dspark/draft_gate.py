@@ -18,9 +18,7 @@ different batch sizes compare. A "skip" lasts 1, 2, 4 ... (at most `max_skip`) r
 which one drafting round probes again; a probe that pays resets the pause. A probe is judged on
 its own: its round replaces the averages instead of joining them, since those describe the text
 before the pause. Blended in at `alpha`, one paying probe could not lift averages dragged down by
-a hard stretch, so the pauses kept doubling through text the drafter does well on (session 28,
-batch 1, the embedded drafter: one chat prompt drafted on 17% of its rounds, at 1.0x `ar`
-where drafting every round ran 1.46x).
+a hard stretch, and the pauses would keep doubling through text the drafter does well on.
 
 A drafter that costs almost nothing (`cheap`: under 5% of a plain round, e.g. n-gram lookup)
 is never gated: its value comes in bursts (a copied phrase) that the scheduler already picks
@@ -82,10 +80,9 @@ class DraftGate:
         unit = self.plain_latency(rows)
         if not drafted:
             # Plain rounds come only from pauses, so they are few, and the first one pays one-off
-            # costs (kernels' packed weights built on first call: 2.4x the table at 16 rows,
-            # session 41). Taken as the yardstick it made every draft look 2.4x cheaper, drafting
-            # was never paused again, and nothing corrected it. So the first is left out and the
-            # rest move the table's word at alpha.
+            # costs (kernels' packed weights built on first call). Taken as the yardstick it would
+            # make every draft look cheaper than it is, so that drafting is never paused again.
+            # So the first is left out and the rest move the table's word at alpha.
             if self.plain_rounds > 0:
                 self.t_plain = _ewma(self.plain, seconds / unit, self.alpha)
             self.plain_rounds += 1

@@ -4,7 +4,8 @@ Each round:
   draft     the drafter proposes a tree per active row (anchor = the row's last token)
   schedule  the scheduler picks how many nodes per row to verify (highest survival first)
   verify    one forward over [anchor, nodes...] per row (ragged, tree attention)
-  accept    greedy match or rejection sampling per row; commit the accepted slots
+  accept    walk each row's tree along the target's own tokens (argmax, or the row's noise
+            draw; `dspark.verify`); commit the accepted slots
   emit      append accepted tokens + the target's own token; stop on EOS/stop/length
 Finished rows leave the batch and queued requests are prefilled into the free places; a
 prefill also gives each new row its first token (from the prompt's last logits, as plain

@@ -59,7 +59,7 @@ class DSparkGenerator:
     def __init__(
         self,
         target: TargetModel,
-        drafter: str | Drafter | None = "ngram",
+        drafter: str | Drafter | None = "auto",
         scheduler: str | Scheduler = "dspark",
         max_batch_size: int = 8,
         truncation: str = "error",
@@ -88,7 +88,7 @@ class DSparkGenerator:
     def from_names(
         cls,
         target: str = EMBEDDED_NAME,
-        drafter: str | None = "ngram",
+        drafter: str | None = "auto",
         scheduler: str = "dspark",
         *,
         device: str = "auto",

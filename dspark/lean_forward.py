@@ -1,29 +1,19 @@
 """A lean decoder forward for Llama-family targets: the same arithmetic, less Python.
 
-At batch 1 on CPU a SmolLM2-135M step spends ~21 ms in matmuls out of ~33 ms through
-transformers' forward; the rest is per-module machinery (hooks, output recording, mask
-building, kwargs plumbing) that a speculative round pays once per forward, on every round.
+A small model's step spends a large share of its time outside the matmuls when it runs
+through transformers' forward: per-module machinery (hooks, output recording, mask building,
+kwargs plumbing) that a speculative round pays once per forward, on every round.
 `LeanDecoder` runs the decoder as plain tensor code over the engine's `SlotCache`: per layer
 RMSNorm, q/k/v projections, rotary embedding, grouped-query SDPA over the cached keys, output
 projection, residual, RMSNorm, SiLU-gated MLP, residual. It calls the model's own modules and
 parameters (nothing is copied or re-packed; biases, rope scaling and packed CPU kernels come
 with them), so its logits match transformers' forward to float rounding: the tests assert it.
 On SmolLM2 in float32 they differ by ~1e-5: one-token steps let SDPA group the KV heads where
-transformers expands them, and blocks of several tokens fold query groups (`fold_query_groups`).
-On other devices (CUDA) it makes transformers' kernel choices instead of the fused CPU ones
-(`transformers_kernels`): on an H200 in bfloat16 the CPU choices gave greedy outputs that
-matched transformers' on 0 of 4 prompts (100% in float32). The likely cause, as transformers'
-own SDPA integration notes, is that grouped SDPA under a mask runs the math kernel on CUDA.
-With this policy (H200, session 22) one-row bfloat16 plain decoding equals `generate` on the
-tests' short prompts, but on news articles only on 2 of 6 (first differences at output tokens
-3 to 45): not every kernel difference is accounted for yet.
-Measured on a 2-core Intel Xeon (2 threads, 512 cached tokens, one row): 1 token 33.1 -> 28.3
-ms, 4 tokens 44.6 -> 40.5 ms, 8 tokens 52.9 -> 48.9 ms. On CPU, blocks of several tokens run
-grouped-query attention with each KV head's queries stacked (`fold_query_groups`): in bfloat16
-on that Xeon 16 rows x 2 tokens 78.4 -> 63.9 ms, 8 rows x 2 tokens 54.9 -> 47.3 ms; on a 2-core
-AMD EPYC (AVX2) in float32 attention alone got 1.5-2.3x faster, and a whole forward of 8 rows
-x 2 / 3 / 4 tokens over 768 cached tokens 7-8% faster (133.5 / 154.9 / 164.0 -> 123.5 / 141.9
-/ 153.0 ms; 16 rows x 2 tokens 207.7 -> 185.7; README, "CPU kernels").
+transformers expands them, and on CPU blocks of several tokens stack each KV head's queries
+(`fold_query_groups`), which reads each KV head's keys once per block instead of once per
+query head. On other devices (CUDA) it makes transformers' kernel choices instead of the
+fused CPU ones (`transformers_kernels`), so that reduced-precision outputs stay as close to
+transformers' as the kernels allow (docs/numerics.md). Design note: docs/cpu-kernels.md.
 
 Where the weights are packed for oneDNN (CPU float32), q/k/v and gate/up run as one matmul each
 (`FusedProjections`, checked bit-identical to the separate layers): four calls a layer, not seven.
@@ -50,28 +40,19 @@ from dspark.kv import SlotCache
 # model_type -> decoder layers follow Llama's forward (Qwen2 adds q/k/v biases, handled by the
 # modules themselves). Sliding-window attention is refused per config below.
 LEAN_MODEL_TYPES = ("llama", "qwen2")
-# Part of the cost-table cache key: bump when a change here alters what a forward costs.
-# 2: bfloat16 blocks fold query groups on CPU; CUDA takes transformers' kernel choices.
-# 3: blocks fold query groups on CPU in every dtype.
-# 4: ragged rows packed on CPU (`RaggedLayout`); tables gain the one-wide-row latencies.
-# 5: q/k/v and gate/up run as one packed matmul each on CPU (`FusedProjections`).
-# 6: fewer small ops a layer (rotary embedding of q and k in one go, the norm's weight inside its
-#    call, the folded mask built once per forward).
-# 7: batched one-token steps fold their query groups on CPU in bfloat16 and float16 too.
+# Part of the cost-table cache key: bumping it makes every cached cost table be profiled again;
+# bump it when a change here alters what a forward costs.
 LEAN_FORWARD_VERSION = 7
 # Blocks of 2 to this many tokens per row fold their query groups on CPU (`fold_query_groups`):
-# verify blocks and trees, where it halves attention. Longer ones (prompt prefills) keep grouped
-# SDPA: there the two cost about the same, and copying the mask for every query head made an
-# 8-row, 512-token prefill's attention 20% slower (float32, 2-core EPYC).
+# verify blocks and trees, where it cuts attention time. Longer ones (prompt prefills) keep
+# grouped SDPA: there the two cost about the same, and copying the mask for every query head
+# makes the fold slower.
 FOLD_MAX_TOKENS = 64
-# One-token steps of several rows fold only in reduced precision. SDPA's grouped kernel for a
-# single query is 4-7x slower in bfloat16 than over the 3 stacked queries of a fold (per
-# attention call, 1-4 rows over 256-640 cached tokens on a 2-core AMD EPYC with AVX512-BF16;
-# 16 rows over 640: 8.1 -> 1.4 ms), which made batched bfloat16 decoding slower than float32
-# there (16 rows: 56 -> 111 tokens/s with the fold). One row keeps the grouped kernel: that
-# is transformers' one-token step to the bit, so bfloat16 `ar` at batch 1 stays equal to
-# `hf` (18 of 18 prompts; folded: 5 of 18), for about 8% of speed. In float32 the grouped
-# kernel is the faster one (by 10-30%) and keeps its rounding.
+# One-token steps of several rows fold only in reduced precision: SDPA's grouped kernel for a
+# single bfloat16 query is several times slower than the folded call on some CPUs. One row keeps
+# the grouped kernel: that is transformers' one-token step to the bit, so bfloat16 `ar` at
+# batch 1 stays token-identical to `hf`. In float32 the grouped kernel is the faster one and
+# keeps its rounding.
 FOLD_ONE_TOKEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -100,8 +81,8 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Llama/Qwen2 RMSNorm (normalised in float32, then cast, then scaled) with
     torch's fused kernel: bit-identical to it in float32 and bfloat16, one op instead of six.
     In float32 the weight goes into the same call (no cast between normalising and scaling, and
-    a product is the same either way round): one dispatch fewer, ~30 us a call on a 2-core Xeon
-    right after a layer's matmul has streamed its weights through the caches."""
+    a product is the same either way round): one dispatch fewer, and a dispatch right after a
+    layer's matmul has streamed its weights through the caches is costly."""
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
@@ -132,14 +113,12 @@ def fold_query_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     The n_rep query heads that share a KV head are stacked along the query axis, [B, Hkv,
     n_rep * W, dh], under the mask repeated to match (`fold_mask`). Each KV head's keys are then
     read once per block instead of once per query head. Same arithmetic as SDPA's `enable_gqa`,
-    to the last bit or nearly: bit-identical in bfloat16 on a 2-core Xeon, and on a 2-core AMD
-    EPYC for blocks of 4+ tokens; there 2- and 3-token blocks differ by ~2e-7 in float32 (the
-    kernel's small-query path rounds differently), as one-token steps already differ from
-    transformers' expanded-KV attention. Time per layer for a block of 2 tokens: 16 rows over
-    512 cached tokens in bfloat16 on the Xeon 0.91 -> 0.44 ms; 8 rows over 768 in float32 on
-    the EPYC 1.18 -> 0.59 ms (3 tokens 1.67 -> 0.71, 8 tokens 1.90 -> 1.31). One-token steps
-    of several rows fold only in bfloat16 and float16 (`FOLD_ONE_TOKEN_DTYPES`); otherwise they
-    keep `enable_gqa`, its own kernel. `folded_mask` None: every key is visible."""
+    to the last bit or nearly: bit-identical on the CPUs it was checked on, except that on some
+    of them 2- and 3-token blocks differ by ~2e-7 in float32 (the kernel's small-query path
+    rounds differently), as one-token steps already differ from transformers' expanded-KV
+    attention. One-token steps of several rows fold only in bfloat16 and float16
+    (`FOLD_ONE_TOKEN_DTYPES`); otherwise they keep `enable_gqa`, its own kernel.
+    `folded_mask` None: every key is visible."""
     b, h, w, dh = q.shape
     hk = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(b, hk, h // hk * w, dh), keys, values, attn_mask=folded_mask)

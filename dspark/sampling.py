@@ -44,16 +44,16 @@ class SamplingParams:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...] the first index of the largest logit, as `argmax` (and transformers'
-    greedy search) picks it. `max(-1).indices` is the same index and, on CPU, 2-5x faster than
-    `argmax` for a verify round's logits (16 rows x 5 tokens x 49k in bfloat16: 1.5 vs 7.2 ms)."""
+    greedy search) picks it. `max(-1).indices` is the same index and, on CPU, several times
+    faster than `argmax` for a verify round's logits."""
     return logits.max(dim=-1).indices
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
 
-    The same transform defines the target distribution and the drafter's, so rejection
-    sampling targets exactly what plain sampling with these parameters would produce.
+    The same transform defines the target distribution and the drafter's, so a verified token
+    is exactly what plain sampling with these parameters would produce.
     """
     logits = logits.float()
     if params.greedy:

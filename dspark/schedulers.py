@@ -116,11 +116,6 @@ def packed_tokens(lengths: Sequence[int]) -> int:
     return sum(1 + l for l in lengths)
 
 
-def padded_tokens(lengths: Sequence[int]) -> int:
-    """B for a right-padded batch: every row is as wide as the widest."""
-    return len(lengths) * (1 + max(lengths, default=0))
-
-
 def prefix_schedule(
     survival: Sequence[Sequence[float]],
     sps: Callable[[int], float],
@@ -130,9 +125,9 @@ def prefix_schedule(
 
     survival[r][j] = a_{r,j+1}, non-increasing in j. Candidates are admitted in order of
     falling survival (ties: earlier position, then lower row) and the search stops at the
-    first one that does not raise expected throughput. That early stop is what keeps the
-    method lossless: position j's admission depends only on survivals >= its own, i.e. on
-    its own row's positions <= j (and other rows), never on tokens drafted after j.
+    first one that does not raise expected throughput, so position j's admission depends only
+    on survivals >= its own: its own row's positions <= j and other rows. Outputs never depend
+    on the schedule (verification walks the target's own tokens); only speed does.
     """
     rows = len(survival)
     lengths = [0] * rows

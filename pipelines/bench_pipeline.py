@@ -1,4 +1,4 @@
-"""Benchmark of the Beam pipeline (issue 4): tokens/s with the `dspark` scheduler vs `ar` (no
+"""Benchmark of the Beam pipeline: tokens/s with the `dspark` scheduler vs `ar` (no
 speculation) at batch 16, and the pipeline's overhead over calling the engine directly on the
 same prompts.
 
@@ -6,7 +6,7 @@ same prompts.
     python -m pipelines.bench_pipeline --max-new-tokens 1024 --dtype float32 --out runs/bench-1024
 
 What it does:
-  1. builds Parquet shards from the project's prompt sets (../shared/data/prompts): the
+  1. builds Parquet shards from the bundled prompt sets (data/prompts): the
      drafter's evaluation split of each file (`dspark.training.data.split_of`, so prompts the
      shipped drafter was trained or calibrated on never appear), mixed domains, deterministic;
   2. runs `python -m pipelines.generate` on them (DirectRunner, in this process) once per
@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from dspark.training.data import split_of
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts"
+DEFAULT_PROMPTS = Path("data/prompts")  # the bundled prompt sets, from the repository root
 # (file, max characters of the first turn): short enough to keep CPU prefill cheap
 SOURCES = (
     ("instructions.jsonl", 1000),
@@ -61,6 +61,9 @@ def pick_prompts(prompts_dir: Path, total: int) -> list[dict]:
     pools = []
     for name, max_chars in SOURCES:
         rows = []
+        if not (prompts_dir / name).is_file():
+            raise FileNotFoundError(f"prompt file {prompts_dir / name} not found (--prompts: a folder of prompt sets, "
+                                    "such as the bundled data/prompts)")
         with (prompts_dir / name).open(encoding="utf-8") as f:
             for line in f:
                 r = json.loads(line)
@@ -172,23 +175,25 @@ def outputs_by_id(out: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="folder of prompt .jsonl files")
-    p.add_argument("--shards", type=int, default=4)
-    p.add_argument("--rows-per-shard", type=int, default=16)
-    p.add_argument("--rows-per-call", type=int, default=64, help="rows per engine call in the pipeline")
+    p = argparse.ArgumentParser(prog="python -m pipelines.bench_pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                   help="folder of prompt .jsonl files (default: data/prompts, from the repository root)")
+    p.add_argument("--shards", type=int, default=4, help="Parquet shards to build (default: 4)")
+    p.add_argument("--rows-per-shard", type=int, default=16, help="prompts per shard (default: 16)")
+    p.add_argument("--rows-per-call", type=int, default=64, help="rows per engine call in the pipeline (default: 64)")
     p.add_argument("--batch-scope", choices=["shard", "global"], default="global",
-                   help="the pipeline's batching; global fills engine calls across shards like the direct call")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--drafter", default="ngram")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--schedulers", nargs="+", default=["dspark", "ar"], help="the first is compared with the others")
+                   help="the pipeline's batching; global (default) fills engine calls across shards like the direct call")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
+    p.add_argument("--batch-size", type=int, default=16, help="rows decoded together (default: 16)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target model (default: the embedded smollm2-135m-instruct)")
+    p.add_argument("--drafter", default="ngram", help="drafter for every run, as in pipelines.generate (default: ngram)")
+    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16, float16")
+    p.add_argument("--schedulers", nargs="+", default=["dspark", "ar"], help="the first is compared with the others (default: dspark ar)")
     p.add_argument("--skip-direct", action="store_true", help="do not call the engine directly")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every job this many times, rotating their order; figures are per-field medians")
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "bench_pipeline",
+                   help="output folder: shards, one pipeline output per scheduler, bench.json (default: runs/bench_pipeline)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -258,4 +263,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipelines import run_main
+
+    raise SystemExit(run_main(main))

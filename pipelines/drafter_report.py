@@ -6,9 +6,11 @@ Writes DIR/report.md and PNG plots:
   realises them) for DSpark and the parallel-only ablation (paper Table 1 shape); per-position
   conditional acceptance (Fig. 2); a threshold sweep of tokens per step (per round) and
   acceptance rate (Fig. 5); reliability diagrams with ECE and
-  ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6).
-  With a copy prior in the checkpoint, tau rows with and without it. DIR/report.json holds every
-  figure and what the plots are drawn from: `--replot DIR` redraws them without evaluating.
+  ROC-AUC of prefix survival for the raw confidence head and after calibration (Fig. 6); where
+  greedy rounds end (outside the draft vocabulary? seen earlier in the sequence?) and how far a
+  perfect copy decision would take tau. With a copy prior in the checkpoint, tau rows with and
+  without it. DIR/report.json holds every figure and what the plots are drawn from:
+  `--replot DIR` redraws them without evaluating.
 
 Everything is computed from cached target states of the eval split (no engine run): the
 drafter's free-running greedy chain is compared with the target's argmax at every block
@@ -16,16 +18,16 @@ position, which is exactly what greedy verification does. tau walks each answer 
 (a round at position p gains 1 + accepted tokens; the next starts where it ended), which needs
 every anchor (stride 1, the default). The average over all anchors is reported beside it: it
 weighs an easy stretch once per position in it, where decoding crosses it in a few rounds, so
-it overstates tokens per round. The ablation is a checkpoint trained with markov_rank 0
-(configs/train_smollm2_parallel.yaml); without one, the report falls back to the DSpark model
-with its Markov bias switched off at inference and says so.
+it overstates tokens per round. The ablation is a checkpoint with markov_rank 0: trained from
+random weights (configs/train_smollm2_parallel.yaml), or made from a trained drafter with
+`--init-from` and `model.markov_rank: 0` (docs/training.md); without one, the report falls back
+to the DSpark model with its Markov bias switched off at inference and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -133,7 +135,7 @@ def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
     fig.savefig(out / "threshold_sweep.png", dpi=120)
     files.append("threshold_sweep.png")
     plt.close(fig)
-    # 4. reliability diagrams (reports written before session 48 kept no bins)
+    # 4. reliability diagrams (drawn only when the summary holds their bins)
     if not all("freq" in sts.get(key, {}) for key in ("before", "after")):
         return files
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
@@ -158,7 +160,7 @@ def _plots(out: Path, results: dict, sts: dict, gamma: int) -> list[str]:
 def replot(out: Path) -> list[str]:
     """Redraw the PNGs and report.md of a report folder from its report.json (no evaluation):
     after a change to the plots, or to render a report copied from another machine. A
-    report.json written before session 48 has no reliability bins: that diagram is kept."""
+    report.json without reliability bins keeps the diagram already in DIR."""
     s = json.loads((out / "report.json").read_text())
     files = _plots(out, s["results"], s["calibration"], s["gamma"])
     if "reliability.png" not in files and (out / "reliability.png").is_file():
@@ -294,8 +296,8 @@ def _warm_source(ck) -> dict | None:
 def markov_origin(init_from: dict | None) -> tuple[dict, int] | None:
     """Where a warm-started ablation's Markov head was removed: the `init_from` record (see
     `pipelines.train_drafter.stage_train`) of the last drafter with a head along the chain of
-    warm starts, and the steps trained without it before the ablation's own run. Records from
-    before session 47 carry no `markov_rank`: their direct source is taken as that drafter."""
+    warm starts, and the steps trained without it before the ablation's own run. A record
+    without `markov_rank` is taken as that drafter."""
     steps_between = 0
     source = init_from
     while source and source.get("markov_rank") == 0 and source.get("init_from"):
@@ -501,17 +503,17 @@ def write_card(path: Path, s: dict, command: str) -> None:
         f"# DSpark drafter for {s['target']}",
         "",
         "Semi-autoregressive block drafter (parallel backbone + Markov head + confidence head) trained by",
-        "self-distillation: the target answered training prompts greedily through the project's engine and",
-        "its hidden states were recorded on the way. Only the drafter's own weights are stored (bf16",
+        "self-distillation: the target answered training prompts through the project's engine and its",
+        "hidden states were recorded on the way. Only the drafter's own weights are stored (bf16",
         "safetensors); the embedding and LM head are the target's, shared and frozen. `config.json` holds",
-        "the architecture, the STS temperatures and the target fingerprint (loading it against another",
+        "the architecture, the calibration and the target fingerprint (loading it against another",
         "target raises TargetMismatchError).",
         "",
         "## Data",
         "",
-        "- prompts: `/work/shared/data/prompts` (all ten files), split by a hash of `id` "
+        "- prompts: `data/prompts` (all ten files), split by a hash of `id` "
         "(`dspark.training.data.split_of`: eval 1/8, calib 1/16, train the rest); training never saw eval or calib prompts",
-        f"- training sequences: {tr.get('train_sequences')} greedy answers (max 128 new tokens), "
+        f"- training sequences: {tr.get('train_sequences')} answers of the target, "
         f"{tr.get('train_positions')} cached positions",
         f"- evaluation: {s['eval_sequences']} eval-split answers, {s['blocks']} blocks ({_anchors(s['anchor_stride'])})",
         "",
@@ -538,15 +540,17 @@ def write_card(path: Path, s: dict, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/train_smollm2.yaml")
+    ap = argparse.ArgumentParser(prog="python -m pipelines.drafter_report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/train_smollm2.yaml", help="the training config whose cache and splits to read (default: configs/train_smollm2.yaml)")
     ap.add_argument("--checkpoint", help="drafter checkpoint (default: the config's output)")
-    ap.add_argument("--ablation", help="parallel-only checkpoint (default: the ablation config's output if present)")
+    ap.add_argument("--ablation", help="parallel-only checkpoint (default: <work_dir>/ablation-parallel, where "
+                    "configs/train_smollm2_parallel.yaml writes one, if present)")
     ap.add_argument("--out", default=None, help="report folder (default: <work_dir>/report)")
     ap.add_argument("--stride", type=int, default=1, help="anchor stride; tau per round needs 1 (larger: per-anchor average only)")
-    ap.add_argument("--max-blocks", type=int, default=None)
+    ap.add_argument("--max-blocks", type=int, default=None, help="evaluate at most this many draft blocks (a quick look; tau per round needs them all)")
     ap.add_argument("--card", help="also write the checkpoint card (Markdown) to this path")
-    ap.add_argument("--train-command", default="python -m pipelines.train_drafter --config configs/train_smollm2.yaml")
+    ap.add_argument("--train-command", default="python -m pipelines.train_drafter --config configs/train_smollm2.yaml",
+                    help="the training command the card states (with --card)")
     ap.add_argument("--replot", metavar="DIR", help="only redraw DIR's plots and report.md from its report.json (no evaluation)")
     args = ap.parse_args(argv)
     if args.replot:
@@ -571,4 +575,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipelines import run_main
+
+    raise SystemExit(run_main(main))

@@ -1,6 +1,6 @@
 """Benchmark generation methods side by side and write the evaluation report.
 
-    python -m pipelines.evaluate --prompts ../shared/data/prompts/cnn_dailymail.jsonl \\
+    python -m pipelines.evaluate --prompts data/prompts/cnn_dailymail.jsonl \\
         --out runs/eval --methods hf,hf-pld,ar,fixed:4@ngram,dspark@ngram \\
         --batch-sizes 1,8 --max-new-tokens 128 --limit 16
 
@@ -11,8 +11,8 @@
 Phases: compare (greedy, every method at every batch size, per scenario), sampling (hf and
 the engine methods over several seeds), threshold sweep, load sweep, soak. Each optional
 phase runs when its flag asks for it. Writes DIR/results.json, DIR/outputs.jsonl (every
-output of every phase but the soak), DIR/report.md and its PNG plots. See
-dspark/evaluation/ for the methods.
+output of every phase but the soak), DIR/report.md and its PNG plots. The report is
+docs/evaluation.md; the methods are in dspark/evaluation/.
 """
 
 from __future__ import annotations
@@ -61,11 +61,8 @@ def _csv(text) -> list[str]:
 
 
 def default_prompts_dir() -> str:
-    """$DSPARK_PROMPTS_DIR, else the shared data folder next to the repository."""
-    if os.environ.get("DSPARK_PROMPTS_DIR"):
-        return os.environ["DSPARK_PROMPTS_DIR"]
-    beside_repo = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
-    return str(beside_repo) if beside_repo.is_dir() else "../shared/data/prompts"
+    """$DSPARK_PROMPTS_DIR, else the prompt sets bundled with the repository (data/prompts)."""
+    return os.environ.get("DSPARK_PROMPTS_DIR") or "data/prompts"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts", help="JSON Lines (turns format) or Parquet prompt file(s), comma-separated")
     g.add_argument("--preset", default=None, help=f"named scenarios, comma-separated: {', '.join(PRESETS)} "
                    "(with --prompts too, the prompt files form one more scenario)")
-    g.add_argument("--prompts-dir", default=None, help="where preset prompt files live (default: $DSPARK_PROMPTS_DIR or ../shared/data/prompts)")
+    g.add_argument("--prompts-dir", default=None, help="where preset prompt files live (default: $DSPARK_PROMPTS_DIR or data/prompts)")
     g.add_argument("--out", help="output directory for results.json, outputs.jsonl and report.md")
     g.add_argument("--methods", default=None, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
     g.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default: 1)")
@@ -91,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=None, help="smollm2-135m-instruct (embedded), a model directory or a .gguf file")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"], help="default: auto (bfloat16 on GPUs and bf16-capable CPUs, else float32)")
     g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1 ... (default: auto)")
-    g.add_argument("--default-drafter", default=None, help="drafter for methods without @DRAFTER (default: ngram)")
+    g.add_argument("--default-drafter", default=None, help="drafter for methods without @DRAFTER (default: auto, the DSpark drafter shipped for the target, else ngram)")
     s = p.add_argument_group("sampling (runs when --seeds >= 1; needs --temperature > 0)")
     s.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: no sampling phase)")
     s.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1: off)")
@@ -132,7 +129,7 @@ DEFAULTS = {
     "target": "smollm2-135m-instruct",
     "dtype": "auto",
     "device": "auto",
-    "default_drafter": "ngram",
+    "default_drafter": "auto",
     "preset": None,
     "prompts_dir": None,
     "temperature": 0.0,
@@ -231,20 +228,21 @@ def _machine() -> str:
             f"torch threads {torch.get_num_threads()}")
 
 
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _steps(n_prompts: int, methods: list[str], batch_sizes: list[int]) -> int:
     return sum(len([m for m in methods if not (m == "hf-pld" and bs > 1)]) * -(-n_prompts // bs) for bs in batch_sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
     import torch
+    from tqdm.auto import tqdm
 
     from dspark.drafters import make_drafter
     from dspark.evaluation.analysis import load_sweep_rows, sampling_summary, threshold_sweep_rows
-    from dspark.evaluation.report import plot_all, render_markdown
+    from dspark.evaluation.report import md_table, plot_all, render_markdown
     from dspark.evaluation.resources import cuda_memory, measure_drafter, run_soak, tensor_bytes
     from dspark.generator import DSparkGenerator
     from dspark.hardware import UtilizationSampler, device_name
@@ -254,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve_args(argv)
-    console = Console(stderr=True)
     drafter = args.default_drafter
     methods = [with_drafter(m, drafter) for m in _csv(args.methods)]
     batch_sizes = [int(b) for b in _csv(args.batch_sizes)]
@@ -285,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    console.print(f"loading target {args.target} ({args.dtype}, {args.device})")
+    log(f"loading target {args.target} ({args.dtype}, {args.device})")
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     dev = torch.device(target.device)
 
@@ -321,22 +318,25 @@ def main(argv: list[str] | None = None) -> int:
     if any(split_method(m, drafter)[0].split(":")[0] == "dspark" for m in all_engine):
         from dspark.cost_model import load_or_profile
 
+        log("cost table: verify costs by batch and width (measured once per machine, then cached)")
         cost_table = load_or_profile(target, max_rows=max(batch_sizes + load_bs)).describe()
 
     runs, phases, failures = [], [], []
     t0 = time.perf_counter()
     sampler = UtilizationSampler(interval_s=args.sample_interval, device=dev).start()
     soak_result = None
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("benchmark", total=total)
+    done = 0
+    # disable=None: a bar on a terminal; in a log file, one plain line per step instead
+    with tqdm(total=total, desc="benchmark", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
 
         def tick(phase: str):
             def step(m: str) -> None:
-                bar.update(task, advance=1, description=f"{phase} [{m}]")
-                if not console.is_terminal:  # rich draws no bar into a log file: say it plainly
-                    done = int(bar.tasks[0].completed)
-                    console.print(f"{done}/{total} {phase} [{m}] {time.perf_counter() - t0:.0f} s", highlight=False, markup=False)
+                nonlocal done
+                done += 1
+                bar.set_description(f"{phase} [{m}]", refresh=False)
+                bar.update(1)
+                if bar.disable:
+                    log(f"{done}/{total} {phase} [{m}] {time.perf_counter() - t0:.0f} s")
 
             return step
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fn()
             except Exception as e:  # noqa: BLE001 - reported in report.md and the exit status
                 failures.append({"phase": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-                console.print(f"[red]phase {name} failed:[/red] {type(e).__name__}: {e}")
+                log(f"phase {name} failed: {type(e).__name__}: {e}")
                 return []
 
         for sc in scenarios:
@@ -369,17 +369,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak_minutes > 0:
 
             def soak():
-                soak_task = bar.add_task(f"soak ({args.soak_minutes:g} min)", total=args.soak_minutes * 60)
+                log(f"soak: {args.soak_minutes:g} min of {', '.join(soak_methods)}")
                 enc = [target.encode(p.text) for p in prompts[soak_sc.name]]
                 gens = {m: make_generator(m, soak_bs) for m in soak_methods}
                 chunks = [enc[i : i + soak_bs] for i in range(0, len(enc), soak_bs)]
                 workload = [
                     (lambda g=g, c=c: [r.token_ids for r in g.generate(c, max_new_tokens=soak_mnt)]) for g in gens.values() for c in chunks
                 ]
-                soak_t0 = time.perf_counter()
-                return [run_soak(args.soak_minutes, workload, dev, on_step=lambda res: bar.update(
-                    soak_task, completed=min(args.soak_minutes * 60, time.perf_counter() - soak_t0),
-                    description=f"soak: {res.iterations} passes, {res.errors} errors"))]
+                return [run_soak(args.soak_minutes, workload, dev, on_step=lambda res: bar.set_description(
+                    f"soak: {res.iterations} passes, {res.errors} errors"))]
 
             soak_result = (phase("soak", soak) or [None])[0]
     report = sampler.stop()
@@ -449,20 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(render_markdown(results, plots), encoding="utf-8")
 
     first = results["runs"]
-    table = Table(title=f"{target.name} {results['settings']['dtype']} on {results['settings']['device']}")
-    for col in ("scenario", "method", "batch", "tok/s", "vs hf", "vs ar", "same as hf", "tau", "accept", "correct", "p50 s", "p99 s"):
-        table.add_column(col, justify="right")
     f = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
-    for r in first:
-        table.add_row(r["scenario"], r["method"], str(r["batch_size"]), f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
-                      f(r.get("speedup_vs_ar"), ".2f"), f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),
-                      f(r["correction_rate"], ".0%"), f(r["p50_latency_s"], ".2f"), f(r["p99_latency_s"], ".2f"))
-    stdout = Console()
-    # a log file is not a terminal: rich would wrap to 80 columns and cut the method names
-    (stdout if stdout.is_terminal else Console(width=200)).print(table)
-    console.print(f"wrote {out / 'report.md'}, {out / 'results.json'} and {out / 'outputs.jsonl'}")
+    rows = [[r["scenario"], r["method"], str(r["batch_size"]), f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
+             f(r.get("speedup_vs_ar"), ".2f"), f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),
+             f(r["correction_rate"], ".0%"), f(r["p50_latency_s"], ".2f"), f(r["p99_latency_s"], ".2f")] for r in first]
+    print(f"{target.name} {results['settings']['dtype']} on {results['settings']['device']}")
+    print(md_table(["scenario", "method", "batch", "tok/s", "vs hf", "vs ar", "same as hf", "tau", "accept", "correct", "p50 s", "p99 s"], rows))
+    log(f"wrote {out / 'report.md'}, {out / 'results.json'} and {out / 'outputs.jsonl'}")
     if failures:
-        console.print(f"[red]{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)[/red]")
+        log(f"{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)")
     return 1 if failures else 0
 
 
@@ -475,4 +468,6 @@ def _json_default(obj):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from pipelines import run_main
+
+    raise SystemExit(run_main(main))

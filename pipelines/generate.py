@@ -79,7 +79,8 @@ outputs (under --output DIR; one file per input shard in each folder, named afte
                                 num_duplicate_ids, output_tokens, wall_s (engine time on the shard),
                                 tokens_per_s, mean_accepted_length, acceptance_rate, correction_rate,
                                 mean_verify_budget, p50_latency_s, p99_latency_s, device,
-                                gpu_util_mean, gpu_mem_peak_bytes (null without a GPU),
+                                dtype (the target's, auto resolved), gpu_util_mean,
+                                gpu_mem_peak_bytes (null without a GPU),
                                 cpu_util_mean, rss_peak_bytes
   dead_letter/*.parquet         one row per input row that could not be generated (and per skipped
                                 file): id, shard, error_type, error
@@ -87,8 +88,9 @@ outputs (under --output DIR; one file per input shard in each folder, named afte
   run_summary.json              totals, the resolved configuration, package versions, Beam counters
   Every input row appears exactly once in generations or dead_letter. A rerun into the same DIR
   first deletes all previous outputs; with --resume it keeps the input files that have a marker
-  (same settings, same row counts), deletes every other output file (partial ones from a crash)
-  and processes only the rest.
+  (same settings; the same file: row counts, size, modification time, footer hash), deletes every
+  other output file (partial ones from a crash) and processes only the rest. Details:
+  docs/pipeline.md.
 
 bad input:
   Row level (the job goes on; the row goes to dead_letter with error_type):
@@ -107,7 +109,9 @@ bad input:
     no file matches --input, file not Parquet or truncated (file_unreadable), a missing id/text/
     template/kept column (file_missing_columns, lists the columns found), column types that
     differ between shards (file_schema_mismatch). --skip-bad-files records such files in
-    dead_letter (id null, shard = the file) and processes the rest.
+    dead_letter (id null, shard = the file) and processes the rest. A row group that fails to
+    decode during the job (a file changed after the check) stops the job, or with
+    --skip-bad-files becomes one file_row_group_unreadable entry.
 
 config files (--config FILE, YAML, parsed with yaml.safe_load):
   keys are the flags above without dashes (e.g. max_new_tokens: 1024); `beam_options:` maps
@@ -164,9 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--target", metavar="NAME_OR_PATH",
                        help="target model: smollm2-135m-instruct (embedded), a local HF folder (safetensors) or a .gguf file")
     model.add_argument("--drafter", metavar="NAME", help="auto (dspark where a checkpoint is shipped for the target, else ngram), "
-        "ngram[:MAX[:MIN]], draft-model:PATH, dspark[:PATH] (the trained block drafter), "
-        "dspark-chain / dspark-nocopy / dspark-full[:PATH] (its variants, for comparisons), none, "
-        "or a union such as dspark+ngram (default: auto; README, Drafters)")
+        "ngram[:MAX[:MIN]], draft-model:PATH, dspark[:PATH] (the trained block drafter), none, "
+        "or a union such as dspark+ngram (default: auto; docs/drafters-and-schedulers.md)")
     model.add_argument("--scheduler", metavar="NAME",
                        help="verification scheduler: dspark[:MAX_DEPTH], ar (no speculation), fixed:K, threshold:T, util "
                        "(default: dspark)")
@@ -533,14 +536,23 @@ def run(argv: list[str] | None = None, generator_factory=None, on_progress=None)
               "files_processed": len(plan.todo), "files_changed_since": plan.changed,
               "complete_files_kept_from_other_inputs": len(plan.kept_other)}
     summary = build_summary(options["output"], wall_s, printable_config(options) | {"beam_flags": beam_flags},
-                            counters, skipped) | {"resume": resume}
+                            counters, skipped, processed=set(plan.todo)) | {"resume": resume}
     path = write_summary(options["output"], summary)
-    t = summary["totals"]
-    LOG.info(
-        "Done in %.1f s: %d rows, %d generated, %d in dead_letter, %d tokens (%.1f tokens/s); summary: %s",
-        wall_s, t["num_records"], t["num_ok"], t["num_failed"], t["output_tokens"], t["tokens_per_s"] or 0.0, path,
-    )
+    LOG.info("%s; summary: %s", end_of_run(summary["totals"]), path)
     return summary
+
+
+def end_of_run(t: dict) -> str:
+    """The closing log line: what happened to the rows, then where this run's time went."""
+    rows = f"{t['num_records']} rows: {t['num_ok']} generated, {t['num_failed']} in dead_letter"
+    if not t["run_output_tokens"]:
+        return f"Done in {t['job_wall_s']:.1f} s, nothing to generate; {rows}"
+    spec = "" if t["mean_accepted_length"] is None else (
+        f", tau {t['mean_accepted_length']:.2f}"
+        + ("" if t["acceptance_rate"] is None else f", acceptance {t['acceptance_rate']:.0%}"))
+    return (f"Done in {t['job_wall_s']:.1f} s ({t['model_load_s']:.1f} s loading and warming up the model, "
+            f"{t['engine_wall_s']:.1f} s generating); {rows}; {t['run_output_tokens']} tokens at "
+            f"{t['engine_tokens_per_s']:.1f} tokens/s while generating{spec}")
 
 
 def configure_logging() -> None:

@@ -18,7 +18,8 @@ Stages (all by default, each resumable; rerun the same command to continue):
              plus draft_vocab.safetensors when the config sets `draft_vocab: N` (the drafter
              then proposes only the N tokens the target emits most; calibration uses it too)
 
-Big artefacts live in work_dir (outside the repository); only `output` is meant to be committed.
+Big artefacts (answers, target cache, training state, logs) live in work_dir, e.g. `runs/...`
+(git-ignored); only `output` is meant to be committed. docs/training.md explains the config.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -119,7 +119,7 @@ def stage_generate(cfg: dict, target, work: Path, log: Logger, deadline: float |
 
     pc, gc = cfg.get("prompts") or {}, cfg.get("generate") or {}
     mcfg = model_config(cfg, target)
-    prompts = load_prompts(pc.get("dir", "/work/shared/data/prompts"), pc.get("files"))
+    prompts = load_prompts(pc.get("dir", "data/prompts"), pc.get("files"))
     encode = lambda text: target.encode(text)  # noqa: E731
     # greedy answers per split, then greedy answers to the train prompts under other
     # instructions (`train_rewrites`, rows `id+tag`), then the train split's extra sampled
@@ -332,7 +332,7 @@ def stage_calibrate(cfg: dict, target, work: Path, output: Path, log: Logger, in
             "wall_s": counters["wall_s"],
             "cpu_hours": counters["cpu_s"] / 3600.0,
             "peak_rss_mb": counters.get("peak_rss_mb"),
-            # what the train stage drew from (states before session 44 lack it: the cache now)
+            # what the train stage drew from (a state without these counts: the cache as it is now)
             "train_sequences": counters.get("train_sequences") or (len(readers["train"].rows) if "train" in readers else None),
             "train_positions": counters.get("train_positions") or (readers["train"].num_positions() if "train" in readers else None),
             "history": counters.get("history", [])[-5:],
@@ -444,13 +444,13 @@ def draft_vocabulary(cfg: dict, target, work: Path, run_folder: Path | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
+    ap = argparse.ArgumentParser(prog="python -m pipelines.train_drafter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="training config (YAML), e.g. configs/train_smollm2.yaml")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
     ap.add_argument("--work-dir", help="override work_dir (cache, state, logs)")
     ap.add_argument("--output", help="override the checkpoint output directory")
     ap.add_argument("--steps", type=int, help="override train.steps")
-    ap.add_argument("--seed", type=int)
+    ap.add_argument("--seed", type=int, help="override seed (sampling, shuffling and initialisation)")
     ap.add_argument("--minutes", type=float, help="stop generate/train cleanly after this many minutes (resumable)")
     ap.add_argument(
         "--init-from",
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "e.g. the shipped one, to continue it on more data or deeper) instead of random ones; the calibrate stage "
         "without a training state re-calibrates this checkpoint (e.g. to fit a copy prior)",
     )
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.config)
@@ -497,4 +497,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipelines import run_main
+
+    raise SystemExit(run_main(main))

@@ -110,8 +110,8 @@ def test_an_unknown_or_unavailable_kernel_is_refused():
 
 
 def test_leading_wins_counts_entries_up_to_the_first_loss():
-    assert leading_wins([20.8, 21.6, 23.3], [25.6, 27.1, 27.7]) == 3  # the EPYC of sessions 1-19
-    assert leading_wins([30.7, 46.4, 57.3], [21.5, 23.9, 24.5]) == 0  # the EPYC of session 22
+    assert leading_wins([20.8, 21.6, 23.3], [25.6, 27.1, 27.7]) == 3  # an AVX2 EPYC: MKL up to 3 rows
+    assert leading_wins([30.7, 46.4, 57.3], [21.5, 23.9, 24.5]) == 0  # an EPYC where oneDNN wins from 1 row
     assert leading_wins([20.0, 30.0, 20.0], [25.0, 25.0, 25.0]) == 1  # no win after a loss
     assert leading_wins([25.0, 25.0, 30.0], [25.0, 25.0, 25.0]) == 2  # ties keep the first
 
@@ -128,10 +128,10 @@ def pass_times(mkl: list[float], onednn: list[float], mkl_packed: list[float]) -
 
 def test_kernels_are_chosen_per_row_range_from_pass_times():
     both = (ONEDNN, MKL_PACKED)
-    # rows:   1  2  3 |  4  6  8 12 16 24 32 48 64  (like the Xeon of session 35: MKL packed to 16)
+    # rows:   1  2  3 |  4  6  8 12 16 24 32 48 64  (like an AVX-512 Xeon: MKL packed to 16)
     xeon = pass_times([23, 25, 32], [30, 31, 36, 33, 36, 40, 45, 50, 51, 61, 76, 91], [23, 25, 31, 29, 32, 35, 40, 44, 60, 65, 87, 103])
     assert choose_kernels(xeon, both) == KernelChoice(mkl_max_rows=2, mkl_packed_max_rows=16)
-    # oneDNN from one row up (the EPYC of session 22), MKL packed nowhere ahead of it
+    # oneDNN from one row up (as on some EPYCs), MKL packed nowhere ahead of it
     epyc = pass_times([31, 46, 57], [21, 24, 25, 28, 29, 30, 36, 42, 45, 50, 60, 70], [30, 45, 55, 47, 45, 44, 48, 53, 60, 68, 80, 95])
     assert choose_kernels(epyc, both) == KernelChoice(0, 0)
     assert choose_kernels(epyc, both).kernels == (ONEDNN,)
@@ -174,7 +174,7 @@ def test_the_kernel_choice_is_measured_once_per_machine_and_cached(tmp_path, mon
 def test_a_cache_from_before_two_kernels_is_measured_again(tmp_path, monkeypatch):
     pack_linear_layers(tiny_model("llama", 300, seed=0), cache_dir=tmp_path)
     (cached,) = tmp_path.glob("*.json")
-    cached.write_text(json.dumps({"mkl_max_rows": 3}))  # what sessions before 35 wrote: one crossover
+    cached.write_text(json.dumps({"mkl_max_rows": 3}))  # a one-crossover record: no mkl_packed_max_rows
     calls = []
     real = cpu_matmul.measure_kernel_choice
     monkeypatch.setattr(cpu_matmul, "measure_kernel_choice", lambda *a, **k: calls.append(1) or real(*a, **k))

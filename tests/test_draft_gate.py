@@ -82,10 +82,10 @@ def test_plain_rounds_set_the_yardstick_and_batch_size_is_normalised_away():
 
 
 def test_one_slow_plain_round_does_not_make_every_draft_look_cheap():
-    """Plain rounds come only from pauses, and the first pays one-off costs (2.4x the table at
-    16 rows, session 41). As the yardstick it made a losing drafter look like a 2x win, so
-    drafting was never paused again and nothing corrected it. The first is left out, later ones
-    move the table's word, and the losing drafter is paused."""
+    """Plain rounds come only from pauses, and the first pays one-off costs (kernels packed on
+    first call). As the yardstick it would make a losing drafter look like a win, so that
+    drafting is never paused again. The first is left out, later ones move the table's word,
+    and the losing drafter is paused."""
     gate = DraftGate(FLAT.latency)
     gate.record(rows=16, seconds=0.040, emitted=16 * 2, drafted=True, propose_s=0.005)  # cold, 4x: pause
     assert not gate.should_draft()

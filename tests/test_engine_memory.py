@@ -1,4 +1,4 @@
-"""Memory (issue 6): the engine frees per-request state when `generate` returns (KV cache rows,
+"""Memory: the engine frees per-request state when `generate` returns (KV cache rows,
 drafter state), and a soak over many calls shows no upward RSS trend.
 
 The target is the pipeline tests' tiny random Llama (a real model folder, its own tokenizer),
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_pipeline_support import TINY_NAME, build_tiny_model_dir  # noqa: E402
+from pipeline_support import TINY_NAME, build_tiny_model_dir  # noqa: E402
 
 import dspark.generator as generator_module  # noqa: E402
 from dspark.drafters.draft_model import DraftModelDrafter  # noqa: E402
@@ -155,8 +155,8 @@ def trend_bytes_per_call(samples: list[int], warmup: int) -> float:
 
 
 CALLS, WARMUP = 40, 10
-# bytes per call. Measured on the development machine: 3-5 KiB/call clean (allocator steps of a
-# few hundred KiB included), about 68 KiB/call with the 64 KiB-per-call leak below.
+# bytes per call: a clean engine grows a few KiB a call (allocator steps of a few hundred KiB
+# included), one with the 64 KiB-per-call leak below about 68 KiB a call.
 BOUND = 24 * 1024
 
 

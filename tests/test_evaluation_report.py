@@ -108,7 +108,7 @@ def _mine(outputs, phase, method, bs, seed_index=None):
 
 
 def test_summary_table_reaches_a_log_file_uncut(report):
-    # rich wraps a non-terminal at 80 columns, which cut method names to "fix…"
+    # printed to a log file (not a terminal), the table keeps every column and whole method names
     header = next(line for line in report["stdout"].splitlines() if "tok/s" in line)
     assert "vs ar" in header and "same as hf" in header
     assert "fixed:2@ngram" in report["stdout"]

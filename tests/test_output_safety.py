@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_pipeline import base_args, sentence  # noqa: E402
 from test_pipeline_bad_input import never_load  # noqa: E402
-from test_pipeline_support import TINY_NAME, CrashAfterShards, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
+from pipeline_support import TINY_NAME, CrashAfterShards, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
 
 from pipelines import generate as cli  # noqa: E402
 from transforms.outputs import OutputError  # noqa: E402

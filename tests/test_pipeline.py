@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_pipeline_support import (  # noqa: E402
+from pipeline_support import (  # noqa: E402
     build_tiny_model_dir,
     folder_columns,
     read_folder,
@@ -152,6 +152,12 @@ def test_shard_metrics_match_generations(main_job):
     counters = read_summary(out)["beam_counters"]
     assert counters["dspark.rows_read"] == totals["num_records"]
     assert counters["dspark.output_tokens"] == totals["output_tokens"]
+    # where the run's time went: loading the model (once per worker process) apart from generating
+    assert totals["run_output_tokens"] == totals["output_tokens"]
+    assert 0 < totals["model_load_s"] == counters["dspark.model_load_ms"] / 1000
+    assert 0 < totals["engine_wall_s"] == pytest.approx(sum(m["wall_s"] for m in metrics.values()))
+    assert totals["engine_tokens_per_s"] == pytest.approx(totals["output_tokens"] / totals["engine_wall_s"])
+    assert totals["tokens_per_s"] == pytest.approx(totals["output_tokens"] / totals["job_wall_s"])
 
 
 def test_outputs_equal_the_engines_greedy_outputs(main_job, tiny_model):
@@ -189,7 +195,7 @@ def test_multi_processing_workers_crash_resume_and_global_batches_give_the_same_
     finishes it: every row exactly once, same outputs. (The resumed run is in-process: which
     files to redo is decided by the launcher, and a second start of worker processes would
     double this test's time.)"""
-    from test_pipeline_support import CrashAfterShards
+    from pipeline_support import CrashAfterShards
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "out"
@@ -269,6 +275,6 @@ def test_no_argument_default_end_to_end(tmp_path):
     summary = read_summary(out)
     assert summary["config"]["target"] == "smollm2-135m-instruct" and summary["config"]["scheduler"] == "dspark"
     assert summary["config"]["drafter"] == "auto"
-    assert "Drafter auto -> dspark" in proc.stderr  # the shipped checkpoint (issue 3: the default config uses it)
+    assert "Drafter auto -> dspark" in proc.stderr  # the shipped checkpoint: the default config uses it
     assert summary["totals"]["num_shards"] == 4 and summary["totals"]["mean_accepted_length"] >= 1.0
     assert "Done in" in proc.stderr

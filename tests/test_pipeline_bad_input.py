@@ -1,4 +1,4 @@
-"""Bad input and faults in the pipeline (issue 6): bad rows go to dead_letter with a clear
+"""Bad input and faults in the pipeline: bad rows go to dead_letter with a clear
 error_type while the job goes on; bad files stop the job before any model loads, or are
 recorded as file-level dead letters with --skip-bad-files; an engine exception on one row does
 not cost the rest of its batch; and, as a property, every row ends up exactly once in
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_pipeline import base_args, sentence  # noqa: E402
-from test_pipeline_support import TINY_NAME, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
+from pipeline_support import TINY_NAME, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
 
 from pipelines import generate as cli  # noqa: E402
 from dspark.generator import DSparkGenerator  # noqa: E402

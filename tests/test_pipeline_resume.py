@@ -1,4 +1,4 @@
-"""Reruns and `--resume` (issue 6): per-input-file outputs with completion markers, a job crashed
+"""Reruns and `--resume`: per-input-file outputs with completion markers, a job crashed
 part-way and resumed (every row exactly once, complete files not redone, partial ones redone),
 resume refused under other settings, and output names that cannot leave the output folder."""
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_pipeline import base_args, sentence  # noqa: E402
 from test_pipeline_bad_input import GOOD_OR_BAD, POISON, conserved, never_load, poisoned_factory, write_raw_shard  # noqa: E402
-from test_pipeline_support import TINY_NAME, CrashAfterShards, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
+from pipeline_support import TINY_NAME, CrashAfterShards, build_tiny_model_dir, read_folder, read_summary, write_shard  # noqa: E402
 
 from pipelines import generate as cli  # noqa: E402
 from transforms import outputs as O  # noqa: E402
@@ -108,7 +108,7 @@ def test_property_multi_processing_crash_and_resume_keep_every_row_exactly_once(
     """The same conservation property with two worker processes (DirectRunner multi_processing),
     for the crashed run and the resumed one: engine calls mixing shards (--batch-scope global),
     rows the engine fails on, a crash in a worker as the (n+1)-th input file is written."""
-    from test_pipeline_support import CrashAtFileWrite
+    from pipeline_support import CrashAtFileWrite
 
     # the workers unpickle the fault-injecting factory and hook from the tests folder
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
@@ -164,9 +164,13 @@ def test_resume_with_everything_complete_loads_no_model(tiny_model, tmp_path):
     args = base_args(tiny_model, out, str(tmp_path / "*.parquet"))
     first = cli.run(args)
     again = cli.run(args + ["--resume"], generator_factory=never_load)
+    this_run = ("job_wall_s", "model_load_s", "engine_wall_s", "run_output_tokens", "tokens_per_s", "engine_tokens_per_s")
     assert again["resume"]["files_processed"] == 0 and again["totals"] == first["totals"] | {
-        k: again["totals"][k] for k in ("job_wall_s", "tokens_per_s")
+        k: again["totals"][k] for k in this_run
     }
+    # nothing generated, so no speed: earlier tokens over this run's few milliseconds are no rate
+    assert again["totals"]["run_output_tokens"] == 0 and again["totals"]["model_load_s"] == 0
+    assert again["totals"]["tokens_per_s"] is None and again["totals"]["engine_tokens_per_s"] is None
     assert read_summary(out)["resume"]["files_already_complete"] == 1
 
 

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_pipeline import base_args  # noqa: E402
-from test_pipeline_support import TINY_NAME, build_tiny_model_dir, read_folder, write_shard  # noqa: E402
+from pipeline_support import TINY_NAME, build_tiny_model_dir, read_folder, write_shard  # noqa: E402
 
 from dspark.generator import DSparkGenerator  # noqa: E402
 from pipelines import generate as cli  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Third-party prompt text is quoted as published (a SWE-bench problem statement may well say
-# "issue 123"); everything else is ours.
+# Third-party prompt text is quoted as published (a SWE-bench problem statement may well cite
+# its tracker's numbers); everything else is ours.
 THIRD_PARTY = re.compile(r"^data/prompts/.*\.jsonl$")
 OUTSIDE_OR_HISTORY = re.compile(
     r"\.\./shared\b|(?<![\w.])/(?:work|root|home)/\w"  # paths outside the repository

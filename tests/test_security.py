@@ -1,4 +1,4 @@
-"""Security (issue 6): weights load from safetensors (or GGUF) only, never by unpickling; model
+"""Security: weights load from safetensors (or GGUF) only, never by unpickling; model
 code shipped in a model folder runs only when the user asks (trust_remote_code); config files
 cannot build Python objects. Output paths are covered in test_pipeline_resume.py.
 
@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_pipeline_support import TINY_NAME, build_tiny_model_dir  # noqa: E402
+from pipeline_support import TINY_NAME, build_tiny_model_dir  # noqa: E402
 
 from dspark.models import load_model, resolve_model_dir  # noqa: E402
 from pipelines import generate as cli  # noqa: E402

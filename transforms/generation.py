@@ -178,7 +178,8 @@ def row_seed(seed: int, row: PromptRow) -> int:
 
 
 def time_limit_kwargs(limit_s: float | None) -> dict[str, float]:
-    """Passed only when set, so a job without a limit runs on engines that predate it."""
+    """Passed only when set, so a job without a limit also works with a generator (from a
+    custom `generator_factory`) whose `generate` takes no `time_limit_s`."""
     return {} if limit_s is None else {"time_limit_s": limit_s}
 
 
@@ -286,6 +287,9 @@ class GenerateBatchDoFn(beam.DoFn):
         self.oom_halvings = Metrics.counter("dspark", "oom_batch_halvings")
         self.oom_fallbacks = Metrics.counter("dspark", "rows_retried_without_speculation")
         self.call_seconds = Metrics.distribution("dspark", "engine_call_ms")
+        # model load and warm-up (de-quantising, kernel and cost-table profiling), once per worker
+        # process: run_summary.json reports it apart from generation
+        self.load_ms = Metrics.counter("dspark", "model_load_ms")
         # summed speculation counters: run_summary.json derives the job's ratios from them
         self.spec_counters = {name: Metrics.counter("dspark", f"spec_{name}") for name in SPEC_FIELDS}
 
@@ -293,7 +297,8 @@ class GenerateBatchDoFn(beam.DoFn):
         def load() -> _SharedGenerator:
             started = time.perf_counter()
             holder = _SharedGenerator(self.generator_factory(self.engine))
-            LOG.info("Loaded %s in %.1f s on %s in %s", self.engine, time.perf_counter() - started, holder.device, holder.dtype)
+            holder.load_s = time.perf_counter() - started
+            LOG.info("Loaded %s in %.1f s on %s in %s", self.engine, holder.load_s, holder.device, holder.dtype)
             return holder
 
         self._holder = self._shared.acquire(load, tag=self.engine.key())
@@ -378,6 +383,9 @@ class GenerateBatchDoFn(beam.DoFn):
         )
 
     def process(self, rows: list[PromptRow]):
+        load_s = self._holder.take_load_s()
+        if load_s is not None:  # counted in a bundle: Beam drops metrics updated in setup()
+            self.load_ms.inc(round(1000 * load_s))
         rows = list(rows)
         sampler = self._holder.sampler()
         started = time.perf_counter()
@@ -440,8 +448,16 @@ class _SharedGenerator:
         self.lock = threading.Lock()
         target = getattr(generator, "target", None)
         self.device = getattr(target, "device", None)
+        self.load_s: float | None = None
         dtype = getattr(target, "dtype", None)  # `auto` resolved: whether a run is bit-exact depends on it
         self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
+
+    def take_load_s(self) -> float | None:
+        """The load time, to the first caller only: one count per loaded model, however many
+        DoFn instances share it."""
+        with self.lock:
+            load_s, self.load_s = self.load_s, None
+        return load_s
 
     def no_speculation(self) -> Any:
         """The same target without a drafter (AR decoding, one row at a time), built on first use

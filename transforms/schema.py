@@ -1,6 +1,6 @@
 """The pipeline's output contract: folder names, column names, Arrow schemas, error types.
 
-Tests and the README refer to these names; change them only together.
+Tests and docs/pipeline.md refer to these names; change them only together.
 """
 
 from __future__ import annotations

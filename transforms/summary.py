@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 from collections import Counter
+from collections.abc import Collection
 from importlib import metadata
 from typing import Any
 
@@ -64,11 +65,17 @@ def beam_counters(result: Any) -> dict[str, int]:
     return dict(sorted(counters.items()))
 
 
-def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[str, int], skipped_files: list[dict]) -> dict:
+def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[str, int], skipped_files: list[dict],
+                  processed: Collection[str] | None = None) -> dict:
+    """Totals over every complete shard in DIR; speeds over the shards this run `processed`
+    (all of them when None), so a `--resume` that finds nothing to do reports no speed."""
     metrics = read_output_table(output, S.SHARD_METRICS_DIR)
     dead = read_output_table(output, S.DEAD_LETTER_DIR)
     output_tokens = sum(m["output_tokens"] for m in metrics)
-    engine_wall = sum(m["wall_s"] for m in metrics)
+    this_run = [m for m in metrics if processed is None or m["shard"] in processed]
+    run_tokens = sum(m["output_tokens"] for m in this_run)
+    engine_wall = sum(m["wall_s"] for m in this_run)
+    load_s = counters.get("dspark.model_load_ms", 0) / 1000
     spec = spec_totals(read_markers(output))
     c = lambda name: spec.get(name, 0)  # noqa: E731
     totals = {
@@ -79,14 +86,18 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
         "num_duplicate_ids": sum(m["num_duplicate_ids"] for m in metrics),
         "num_files_skipped": len(skipped_files),
         "output_tokens": output_tokens,
+        # this run: its wall time, the part loading and warming up the model (summed over worker
+        # processes), the part inside engine calls, and tokens/s over each
+        "run_output_tokens": run_tokens,
         "job_wall_s": job_wall_s,
-        "tokens_per_s": ratio(output_tokens, job_wall_s),
+        "model_load_s": load_s,
         "engine_wall_s": engine_wall,
-        "engine_tokens_per_s": ratio(output_tokens, engine_wall),
+        "tokens_per_s": ratio(run_tokens, job_wall_s) if this_run else None,
+        "engine_tokens_per_s": ratio(run_tokens, engine_wall) if this_run else None,
         # mean_accepted_length, acceptance_rate, correction_rate, mean_verify_budget
         **speculation_rates(verified=c("verified"), accepted=c("accepted"), rounds=c("rounds"), emitted=c("emitted"),
                             prefills=c("prefills")),
-        # what `--dtype auto` became on the workers (shard files of runs before this column have none)
+        # what `--dtype auto` became on the workers (None when no shard file records a dtype)
         "dtype": ", ".join(sorted({m["dtype"] for m in metrics if m.get("dtype")})) or None,
         "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),
     }

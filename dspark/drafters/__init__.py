@@ -60,7 +60,7 @@ def make_drafter(spec: str, target: TargetModel) -> Drafter:
         draft = load_model(arg, device=str(target.device), dtype=target.dtype)
         return DraftModelDrafter(draft, target)
     if name in DSPARK_NAMES:
-        from dspark.dspark_drafter import DrafterOptions, load_drafter  # the trained block drafter (issue 3)
+        from dspark.dspark_drafter import DrafterOptions, load_drafter  # the trained block drafter
 
         options = DrafterOptions(branch_width=1) if name == "dspark-chain" else None
         return load_drafter(arg or None, target, options=options, full_vocab=name == "dspark-full", copy_prior=name != "dspark-nocopy")

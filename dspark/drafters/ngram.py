@@ -71,8 +71,8 @@ class NgramDrafter(DrafterBase):
         so every scheduler tries it (a threshold scheduler would otherwise never verify, and
         never learn). Past that, each depth's posterior mean is shrunk towards the depth above
         it (`prior_weight` pseudo counts): a depth with no data yet inherits its parent's rate,
-        not an optimistic guess, which once made the `dspark` scheduler verify 8-token blocks
-        for whole batches."""
+        not an optimistic guess, which would have the `dspark` scheduler verify long blocks for
+        whole batches on no evidence."""
         if depth == 1 and self.depth_stats[(n, 1)][1] < self.burn_in:
             return 1.0
         a, b = self.prior

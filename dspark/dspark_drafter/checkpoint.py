@@ -27,7 +27,7 @@ from dspark.dspark_drafter.model import DSparkConfig, DSparkModel, build_model
 from dspark.dspark_drafter.vocab import VOCAB_FILE, read_draft_vocab, save_draft_vocab
 
 FORMAT = "dspark-drafter"
-VERSION = 2  # 2: W2 may be stored over the draft vocabulary's rows; version 1 files read as before
+VERSION = 2  # 2: W2 may be stored over the draft vocabulary's rows; version 1 files still load
 WEIGHTS = "model.safetensors"
 W2_ROWS = "markov_w2.draft_rows"  # W2[draft_vocab] [Vd, r]; the other rows are zero
 CONFIG = "config.json"

@@ -134,8 +134,8 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """h [..., d] @ weight[V, d].T -> logits [..., V].
 
     For a handful of rows (one round's draft block) CPU BLAS runs `weight @ h.T` much faster
-    than `h @ weight.T` (one thread, 7 rows through SmolLM2's 49k-vocabulary head: 47 -> 27 ms;
-    the drafter's small layers gain nothing); training batches keep the usual layout. Only the
+    than `h @ weight.T` (for a vocabulary-sized head; the drafter's small layers gain nothing);
+    training batches keep the usual layout. Only the
     drafter uses this: its logits steer proposals, so rounding cannot change verified output."""
     rows = h.reshape(-1, h.shape[-1])  # [M, d]
     if rows.shape[0] > 8 or h.device.type != "cpu":
@@ -309,9 +309,6 @@ class DSparkModel(nn.Module):
     def markov(self) -> bool:
         return self.cfg.markov_rank > 0
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
-
     # ---- context
 
     def project_context(self, feats: torch.Tensor) -> torch.Tensor:
@@ -445,7 +442,3 @@ def build_model(cfg: DSparkConfig, target_model) -> DSparkModel:
         model.head_kernels = head.choice
     return model
 
-
-def final_norm_weight(target_model) -> torch.Tensor | None:
-    norm = getattr(getattr(target_model, "model", None), "norm", None)
-    return None if norm is None else norm.weight.detach()

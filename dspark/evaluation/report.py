@@ -335,7 +335,12 @@ def _first_bs_runs(runs: list[dict]) -> dict[str, list[dict]]:
     return {sc: [r for r in rs if r["batch_size"] == min(x["batch_size"] for x in rs)] for sc, rs in by.items()}
 
 
-def _grouped_bars(ax, rows: list[dict], key: str, title: str) -> None:
+def _legend_outside(ax) -> None:
+    """Legend to the right of the axes, so that it never covers a bar or a line."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _grouped_bars(ax, rows: list[dict], key: str, title: str, ylabel: str) -> None:
     cats = sorted({c for r in rows for c in r["by_category"]})
     methods = [r for r in rows if r["method"] not in ("hf",)]
     width = 0.8 / max(1, len(methods))
@@ -343,6 +348,7 @@ def _grouped_bars(ax, rows: list[dict], key: str, title: str) -> None:
         vals = [r["by_category"].get(c, {}).get(key) for c in cats]
         ax.bar([i + k * width for i in range(len(cats))], [v if v is not None else 0 for v in vals], width, label=r["method"])
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9)
 
 
@@ -353,16 +359,17 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
     if groups:
         fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
         for ax, (sc, rows) in zip(axes[0], groups.items()):
-            _grouped_bars(ax, rows, "speedup_vs_hf", f"{sc}: tokens/s vs hf (batch {rows[0]['batch_size']})")
+            _grouped_bars(ax, rows, "speedup_vs_hf", f"{sc}: tokens/s vs hf (batch {rows[0]['batch_size']})",
+                          "speed-up over hf (x)")
             ax.axhline(1.0, color="grey", lw=0.8)
-        axes[0][0].legend(fontsize=7)
+        _legend_outside(axes[0][-1])
         plots["speedup_by_category"] = _save(fig, out_dir, "speedup_by_category")
 
         fig, axes = plt.subplots(2, len(groups), figsize=(6 * len(groups), 7), squeeze=False)
         for j, (sc, rows) in enumerate(groups.items()):
-            _grouped_bars(axes[0][j], rows, "mean_accepted_length", f"{sc}: tau (tokens per target forward)")
-            _grouped_bars(axes[1][j], rows, "acceptance_rate", f"{sc}: acceptance rate")
-        axes[0][0].legend(fontsize=7)
+            _grouped_bars(axes[0][j], rows, "mean_accepted_length", f"{sc}: tau", "tokens per target forward")
+            _grouped_bars(axes[1][j], rows, "acceptance_rate", f"{sc}: acceptance rate", "accepted / verified draft tokens")
+        _legend_outside(axes[0][-1])
         plots["tau_acceptance_by_category"] = _save(fig, out_dir, "tau_acceptance_by_category")
 
         fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.5 * len(groups)), squeeze=False)
@@ -371,10 +378,12 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
             methods = [r["method"] for r in rows]
             mine = lambda m: [o for o in outputs if o.phase == "compare" and o.scenario == sc and o.batch_size == bs and o.method == m]  # noqa: E731
             axes[i][0].boxplot([[o.latency_s for o in mine(m)] for m in methods], tick_labels=methods)
-            axes[i][0].set_title(f"{sc}: request latency s (batch {bs})", fontsize=9)
+            axes[i][0].set_title(f"{sc}: request latency (batch {bs})", fontsize=9)
+            axes[i][0].set_ylabel("seconds", fontsize=8)
             tp = [[1000 * o.tpot_s for o in mine(m) if o.tpot_s is not None] or [math.nan] for m in methods]
             axes[i][1].boxplot(tp, tick_labels=methods)
-            axes[i][1].set_title(f"{sc}: time per output token ms (batch {bs})", fontsize=9)
+            axes[i][1].set_title(f"{sc}: time per output token after the first (batch {bs})", fontsize=9)
+            axes[i][1].set_ylabel("milliseconds", fontsize=8)
             for ax in axes[i]:
                 ax.tick_params(axis="x", rotation=25, labelsize=7)
         plots["latency"] = _save(fig, out_dir, "latency")
@@ -387,17 +396,20 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
             vals = [s["mean_output_tokens"] for s in sampling["methods"][name]["per_seed"]]
             ax.scatter([k] * len(vals), vals, s=18)
         ax.set_xticks(range(len(names)), names, rotation=20)
-        ax.set_title("mean output tokens per seed (sampling)", fontsize=9)
+        ax.set_ylabel("mean output tokens per prompt", fontsize=8)
+        ax.set_title("sampling: one point per seed", fontsize=9)
         plots["sampling"] = _save(fig, out_dir, "sampling")
 
     sweep = results.get("threshold_sweep")
     if sweep:
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
         t = [r["threshold"] for r in sweep]
-        for ax, key, title in zip(axes, ("mean_verify_budget", "correction_rate", "tokens_per_s"),
-                                  ("mean verify budget", "correction rate", "tokens/s")):
+        for ax, key, title, ylabel in zip(axes, ("mean_verify_budget", "correction_rate", "tokens_per_s"),
+                                          ("mean verify budget", "correction rate", "tokens/s"),
+                                          ("draft tokens per row and round", "rejected / verified draft tokens", "output tokens per second")):
             ax.plot(t, [r[key] if r[key] is not None else math.nan for r in sweep], "o-")
             ax.set_xlabel("confidence threshold")
+            ax.set_ylabel(ylabel, fontsize=8)
             ax.set_title(title, fontsize=9)
         plots["threshold_sweep"] = _save(fig, out_dir, "threshold_sweep")
 
@@ -410,23 +422,30 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
             axes[0].plot(b, [r["tokens_per_s"] for r in rs], "o-", label=m)
             axes[1].plot(b, [1000 * r["mean_tpot_s"] if r.get("mean_tpot_s") is not None else math.nan for r in rs], "o-", label=m)
             axes[2].plot(b, [r["mean_verify_budget"] for r in rs], "o-", label=m)
-        titles = ("tokens/s (with prefill)", "decode ms per output token (TPOT, mean)", "mean verify budget per row and round")
-        for ax, title in zip(axes, titles):
+        titles = ("tokens/s (with prefill)", "decode time per output token (TPOT, mean)", "mean verify budget")
+        ylabels = ("output tokens per second", "milliseconds", "draft tokens per row and round")
+        for ax, title, ylabel in zip(axes, titles, ylabels):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch size")
+            ax.set_ylabel(ylabel, fontsize=8)
             ax.set_title(title, fontsize=9)
-        axes[0].legend(fontsize=7)
+        _legend_outside(axes[-1])
         plots["load_sweep"] = _save(fig, out_dir, "load_sweep")
 
     samples = (results.get("resources") or {}).get("rss_samples")
     if samples:
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        ax.plot([s[0] / 60 for s in samples], [s[1] / 2**20 for s in samples])
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        end = samples[-1][0] / 60
+        phases = (results.get("resources") or {}).get("phases", [])
+        # Phases as shaded spans named in the legend: text at each start overlaps when phases are short.
+        for k, ph in enumerate(phases):
+            stop = phases[k + 1]["start_s"] / 60 if k + 1 < len(phases) else end
+            ax.axvspan(ph["start_s"] / 60, stop, color=plt.cm.tab10(k % 10), alpha=0.15, lw=0, label=ph["name"])
+        ax.plot([s[0] / 60 for s in samples], [s[1] / 2**20 for s in samples], color="black", lw=1, label="RSS")
         ax.set_xlabel("minutes since start")
-        ax.set_ylabel("RSS MiB")
-        for ph in (results.get("resources") or {}).get("phases", []):
-            ax.axvline(ph["start_s"] / 60, color="grey", lw=0.6)
-            ax.text(ph["start_s"] / 60, ax.get_ylim()[1], ph["name"], fontsize=6, rotation=90, va="top")
+        ax.set_ylabel("resident memory (MiB)")
+        ax.set_title("process memory by phase", fontsize=9)
+        _legend_outside(ax)
         plots["memory"] = _save(fig, out_dir, "memory")
 
     soak = results.get("soak")
@@ -438,8 +457,8 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
             ax.plot([s["minutes"] for s in ss], [(s["cuda_allocated_bytes"] or 0) / 2**20 for s in ss], ".-", label="CUDA allocated")
             ax.plot([s["minutes"] for s in ss], [(s["cuda_reserved_bytes"] or 0) / 2**20 for s in ss], ".-", label="CUDA reserved")
         ax.set_xlabel("minutes")
-        ax.set_ylabel("MiB")
+        ax.set_ylabel("memory (MiB)")
         ax.set_title(f"soak: RSS slope {fmt(soak.get('rss_slope_bytes_per_min'), '.0f')} bytes/min, {soak['errors']} errors", fontsize=9)
-        ax.legend(fontsize=7)
+        _legend_outside(ax)
         plots["soak"] = _save(fig, out_dir, "soak")
     return plots

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,8 @@ class Prompt:
 def load_prompts(folder: str | Path, files: Iterable[str] | None = None) -> list[Prompt]:
     """Prompts of the given files (all *.jsonl when None), in file order."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"prompt folder {folder} not found (the bundled prompt sets are in data/prompts)")
     paths = sorted(folder.glob("*.jsonl")) if files is None else [folder / (f if f.endswith(".jsonl") else f + ".jsonl") for f in files]
     out: list[Prompt] = []
     for p in paths:
@@ -145,47 +146,3 @@ def plan_generation(
         chosen = [it for items in by_src.values() for it in items[:per_source]]
     return sorted(chosen, key=lambda x: (len(x[1]), x[0].id))
 
-
-def generate_answers(
-    generator,  # dspark.generator.DSparkGenerator (scheduler "ar": plain greedy decoding)
-    plan: list[tuple[Prompt, list[int]]],
-    out_path: str | Path,
-    batch_size: int = 32,
-    max_new_tokens: int = 128,
-    log: Callable[[str], None] = print,
-    deadline: float | None = None,
-) -> int:
-    """Answer every planned prompt not yet in `out_path`; returns the number of new rows.
-    Stops cleanly (between batches) once `deadline` (time.time()) has passed."""
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in read_jsonl(out_path)}
-    todo = [(p, ids) for p, ids in plan if p.id not in done]
-    # drop a torn trailing line before appending
-    if out_path.is_file():
-        good = [json.dumps(r) for r in read_jsonl(out_path)]
-        out_path.write_text("".join(g + "\n" for g in good))
-    n_new, tokens, t0 = 0, 0, time.time()
-    for i in range(0, len(todo), batch_size):
-        if deadline is not None and time.time() > deadline:
-            log(f"deadline reached after {n_new} answers")
-            break
-        chunk = todo[i : i + batch_size]
-        results = generator.generate([ids for _, ids in chunk], max_new_tokens=max_new_tokens, temperature=0.0)
-        with out_path.open("a") as f:
-            for (p, ids), r in zip(chunk, results):
-                row = {
-                    "id": p.id,
-                    "source": p.source,
-                    "domain": p.domain,
-                    "split": p.split,
-                    "prompt_ids": ids,
-                    "output_ids": list(r.token_ids),
-                    "finish_reason": r.finish_reason,
-                }
-                f.write(json.dumps(row) + "\n")
-                tokens += len(r.token_ids)
-        n_new += len(chunk)
-        dt = time.time() - t0
-        log(f"answers {len(done) + n_new}/{len(plan)} (+{n_new}) {tokens} tokens in {dt:.0f}s = {tokens / max(dt, 1e-9):.0f} tok/s")
-    return n_new

@@ -41,8 +41,7 @@ class TrainConfig:
     anchors_per_sequence: int = 1  # blocks of one sequence that share a batch (and its context projection)
     # how often an epoch walks a domain's sequences: {chat: 2, math: 0.5} walks every chat answer
     # twice (each time from its own anchor phase) and each math answer with probability 0.5;
-    # unnamed domains 1. For a workload whose mix differs from the training prompts' (on the
-    # shipped drafter it traded a few hundredths of tau per round between domains: README).
+    # unnamed domains 1. For a workload whose mix differs from the training prompts'.
     domain_weights: dict[str, float] = field(default_factory=dict)
     shard_window: int = 4
     seed: int = 0
