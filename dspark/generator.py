@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +15,7 @@ from dspark.draft_gate import gate_for
 from dspark.drafters import make_drafter
 from dspark.drafters.base import Drafter
 from dspark.engine import Request, SpeculativeEngine
+from dspark.fallbacks import Attempt, RetryHook, call_with_fallbacks, decode_batch_size
 from dspark.metrics import RequestStats
 from dspark.models import EMBEDDED_NAME, TargetModel, load_model
 from dspark.sampling import SamplingParams, is_int, is_real
@@ -83,6 +84,7 @@ class DSparkGenerator:
         # one draft gate for the generator's life: what it learned about this drafter on this
         # hardware carries over from call to call instead of being re-probed every time
         self.draft_gate = gate_for(self.scheduler)
+        self._plain: DSparkGenerator | None = None
 
     @classmethod
     def from_names(
@@ -133,16 +135,28 @@ class DSparkGenerator:
         limit = self.target.max_context - max_new_tokens  # prompt + output fit the context, as in plain decoding
         if limit < 1:
             raise PromptError("too_long", f"max_new_tokens={max_new_tokens} leaves no room in the {self.target.max_context}-token context")
-        if len(ids) > limit:
-            if self.truncation == "error":
-                raise PromptError(
-                    "too_long",
-                    f"prompt is {len(ids)} tokens; with max_new_tokens={max_new_tokens} at most {limit} fit the "
-                    f"{self.target.max_context}-token context (choose a truncation policy to cut it)",
-                )
-            ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
-            return ids, True
-        return ids, False
+        if len(ids) <= limit:
+            return ids, False
+        if self.truncation == "error":
+            raise PromptError(
+                "too_long",
+                f"prompt is {len(ids)} tokens; with max_new_tokens={max_new_tokens} at most {limit} fit the "
+                f"{self.target.max_context}-token context (choose a truncation policy to cut it)",
+            )
+        keep = "end" if self.truncation == "left" else "start"
+        if isinstance(prompt, str):  # cut the text, never the chat template around it
+            cut = cut_to_fit(prompt, lambda text: self.target.encode(text, chat=chat, literal=literal), limit,
+                             self.target.tokenizer, keep)
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):  # the last message's text
+            *earlier, last = check_messages(prompt, self.target)
+            cut = cut_to_fit(last["content"], lambda text: self.target.encode([*earlier, {**last, "content": text}],
+                                                                              chat=True, literal=literal),
+                             limit, self.target.tokenizer, keep)
+        else:  # token ids: cut the ids themselves
+            return (ids[-limit:] if keep == "end" else ids[:limit]), True
+        if cut is None:
+            raise PromptError("too_long", f"not even one token of the prompt's text fits with max_new_tokens={max_new_tokens}")
+        return cut[0], True
 
     # --- generation --------------------------------------------------------------------
     def generate(
@@ -203,6 +217,43 @@ class DSparkGenerator:
             bar.close()
         return [self._result(r, cut) for r, cut in zip(requests, truncated)]
 
+    def generate_each(
+        self,
+        prompts: Sequence[str | Sequence[int] | list[dict]],
+        *,
+        seed: int | None = 0,
+        seeds: Sequence[int] | None = None,
+        on_retry: RetryHook | None = None,
+        **kwargs,
+    ) -> list[GenerationResult | Exception]:
+        """`generate`, where a failure costs only the rows it belongs to: one result per prompt,
+        a GenerationResult or the exception that prompt fails with on its own (a PromptError,
+        torch.OutOfMemoryError or the engine's error). Out of memory, the same rows are retried
+        with fewer rows decoding together and then without speculation; any other error splits
+        the call in halves down to single rows (`dspark.fallbacks`). Each row keeps its seed
+        (`seeds[i]`, else `seed + i`) wherever it lands, so retries change no output.
+        on_retry(kind, rows, next attempt, error) hears of each retry ("split", "halve_batch",
+        "no_speculation"). Other arguments as for `generate`."""
+        if seeds is None and seed is not None:
+            seeds = [seed + i for i in range(len(prompts))]
+        rows = list(zip(prompts, seeds if seeds is not None else [None] * len(prompts)))
+
+        def call(part: list, attempt: Attempt) -> list[GenerationResult]:
+            generator = self if attempt.speculate else self.without_speculation()
+            part_seeds = {"seeds": [s for _, s in part]} if seeds is not None else {"seed": None}
+            with decode_batch_size(generator, attempt.batch_size):
+                return generator.generate([p for p, _ in part], **part_seeds, **kwargs)
+
+        return call_with_fallbacks(call, rows, Attempt(self.max_batch_size, True), on_retry)
+
+    def without_speculation(self) -> "DSparkGenerator":
+        """The same target decoding one row at a time without a drafter: the last resort after
+        running out of memory. Built on first use, sharing the loaded weights; the same class,
+        so a subclass keeps its behaviour."""
+        if self._plain is None:
+            self._plain = type(self)(self.target, drafter=None, scheduler="ar", max_batch_size=1)
+        return self._plain
+
     def _result(self, req: Request, truncated: bool) -> GenerationResult:
         text = self.target.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         if req.stop_text_len is not None:
@@ -218,6 +269,35 @@ class DSparkGenerator:
             stats=req.stats,
             truncated=truncated,
         )
+
+
+def cut_to_fit(
+    text: str, encode: Callable[[str], list[int]], limit: int | None, tokenizer, keep: str = "start"
+) -> tuple[list[int], str] | None:
+    """The longest cut of `text`, in whole tokens from its start (keep="start") or its end
+    ("end"), whose prompt `encode(cut)` is at most `limit` tokens (None: `encode` raises
+    PromptError when a prompt does not fit): a binary search over the text tokens kept. Returns
+    the prompt's ids and the cut text, or None when not even one token fits. Only the text is
+    cut: whatever `encode` wraps around it (a chat template, a prompt template) stays whole."""
+    text_ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def fitting(n: int) -> tuple[list[int], str] | None:
+        cut = tokenizer.decode(text_ids[:n] if keep == "start" else text_ids[len(text_ids) - n:])
+        try:
+            ids = encode(cut)
+        except PromptError:
+            return None
+        return (ids, cut) if limit is None or len(ids) <= limit else None
+
+    lo, hi, best = 1, len(text_ids) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        found = fitting(mid)
+        if found is None:
+            hi = mid - 1
+        else:
+            best, lo = found, mid + 1
+    return best
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

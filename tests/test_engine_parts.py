@@ -81,6 +81,24 @@ def test_truncation_policy_keeps_the_tail(tiny_llama):
     assert result.num_output_tokens == 4
 
 
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_truncation_cuts_the_text_and_keeps_the_chat_template_whole(tiny_llama, truncation):
+    """A cut prompt still opens the user turn and ends with the assistant header, so the model
+    answers instead of continuing the user's text; only the text loses tokens."""
+    gen = DSparkGenerator(tiny_llama, "ngram", "fixed:2", truncation=truncation)
+    text = " ".join(f"w{i}" for i in range(tiny_llama.max_context))
+    fitted = gen.encode(text, max_new_tokens=8)
+    whole = tiny_llama.encode(text)
+    header = tiny_llama.encode("x")
+    assert len(fitted) <= tiny_llama.max_context - 8 < len(whole)
+    assert fitted[-3:] == whole[-3:] == header[-3:]  # "<|im_end|>\n<|im_start|>assistant\n"
+    assert fitted[:5] == whole[:5]  # the system turn and "<|im_start|>user" are all there
+    kept = tiny_llama.tokenizer.decode(fitted)
+    assert ("w0 " in kept) == (truncation == "right") and (f"w{tiny_llama.max_context - 1}" in kept) == (truncation == "left")
+    messages = [{"role": "user", "content": text}]
+    assert gen.encode(messages, max_new_tokens=8) == fitted
+
+
 def test_stop_strings_cut_the_text(tiny_llama):
     gen = DSparkGenerator(tiny_llama, "ngram", "fixed:3")
     [free] = gen.generate([[20, 21, 22, 20, 21]], max_new_tokens=12)

@@ -3,7 +3,6 @@ isolation, shard metrics, file preflight and option/config resolution. No model,
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipelines import generate as cli  # noqa: E402
-from transforms.generation import Attempt, after_out_of_memory, call_with_fallbacks, failure_error_type, spec_stats  # noqa: E402
+from transforms.generation import spec_stats  # noqa: E402
 from transforms.metrics import OkEvent, ShardMetricsFn, percentile, shard_metrics_row  # noqa: E402
 from transforms.preflight import BadInputError, check_inputs  # noqa: E402
 from transforms.prompts import PromptSpec, template_fields, to_prompt  # noqa: E402
@@ -104,26 +103,6 @@ def test_invalid_utf8_cell_does_not_break_its_neighbours():
 
 
 # --- failure isolation -------------------------------------------------------------------
-def test_failing_rows_are_isolated_and_the_rest_complete():
-    calls = []
-
-    def call(items):
-        calls.append(list(items))
-        if any(i in (3, 11) for i in items):
-            raise RuntimeError("poisoned")
-        return [i * 10 for i in items]
-
-    results = call_with_fallbacks(lambda items, _: call(items), list(range(16)), Attempt(4))
-    assert [r for r in results if not isinstance(r, Exception)] == [i * 10 for i in range(16) if i not in (3, 11)]
-    assert [i for i, r in enumerate(results) if isinstance(r, Exception)] == [3, 11]
-    assert len(calls) <= 1 + 2 * 2 * math.ceil(math.log2(16))  # halving: O(bad * log n) calls
-
-
-def test_wrong_result_count_counts_as_a_failure():
-    results = call_with_fallbacks(lambda items, _: items[:1], ["a", "b"], Attempt(4))
-    assert results == ["a", "b"]  # split to single rows, where one result per row is right
-
-
 def test_spec_stats_reads_engine_stats():
     from dspark.metrics import RequestStats
 
@@ -318,59 +297,6 @@ def test_mixed_shard_calls_apportion_wall_time_by_tokens():
     assert sum(r.wall_s for r in reports) == pytest.approx(8.0)
     nothing = split_batch_report(rows, {}, 4.0, usage)  # every row failed: share by rows
     assert [r.wall_s for r in nothing] == [2.0, 1.0, 1.0]
-
-
-class OutOfMemoryError(RuntimeError):  # the name torch.OutOfMemoryError has
-    pass
-
-
-def test_out_of_memory_attempts_shrink_to_one_row_then_drop_speculation():
-    assert after_out_of_memory(Attempt(16)) == Attempt(8)
-    assert after_out_of_memory(Attempt(3)) == Attempt(1)
-    assert after_out_of_memory(Attempt(1)) == Attempt(1, speculate=False)
-    assert after_out_of_memory(Attempt(1, speculate=False)) is None
-
-
-def test_out_of_memory_halves_the_batch_then_drops_speculation_then_gives_up_on_the_row():
-    """Memory runs out when more than 2 rows decode together while speculating, and on the row
-    "huge" whatever the settings: the call is retried at 2 rows, then "big" (which needs no
-    speculation) and "huge" go on without speculation, and only "huge" is given up on."""
-    calls = []
-
-    def call(items, attempt):
-        calls.append((tuple(items), attempt))
-        if "huge" in items or (attempt.speculate and (attempt.batch_size > 2 or "big" in items)):
-            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return [f"{'spec' if attempt.speculate else 'ar'}:{i}" for i in items]
-
-    events = []
-    results = call_with_fallbacks(call, ["a", "b", "big", "c", "huge", "d"], Attempt(16),
-                                  on_retry=lambda kind, n, attempt, exc: events.append((kind, n, attempt)))
-    assert results[:4] + results[5:] == ["ar:a", "ar:b", "ar:big", "ar:c", "ar:d"]
-    assert isinstance(results[4], OutOfMemoryError) and failure_error_type(results[4]) == "out_of_memory"
-    # the exact sequence: width 6 (the call's rows) -> 3 -> 1 -> no speculation -> isolate by halving
-    assert [a for _, a in calls[:4]] == [Attempt(6), Attempt(3), Attempt(1), Attempt(1, speculate=False)]
-    assert events[:3] == [("halve_batch", 6, Attempt(3)), ("halve_batch", 6, Attempt(1)),
-                          ("no_speculation", 6, Attempt(1, speculate=False))]
-    assert ("split", 6, Attempt(1, speculate=False)) in events
-    assert all(not a.speculate for _, a in calls[3:])  # a half never goes back to speculating
-
-
-def test_out_of_memory_in_a_half_after_a_plain_error_still_halves():
-    def call(items, attempt):
-        if "poison" in items:
-            raise RuntimeError("boom")
-        if attempt.batch_size > 1:
-            raise OutOfMemoryError("out of memory")
-        return [f"{attempt.batch_size}:{i}" for i in items]
-
-    results = call_with_fallbacks(call, ["a", "poison", "b", "c"], Attempt(4))
-    assert isinstance(results[1], RuntimeError) and failure_error_type(results[1]) == "generation_error"
-    assert [results[0], results[2], results[3]] == ["1:a", "1:b", "1:c"]
-    # other errors never trigger the no-speculation retry on their own
-    tried = []
-    plain = call_with_fallbacks(lambda items, attempt: tried.append(attempt) or 1 / 0, ["x"], Attempt(4))
-    assert isinstance(plain[0], ZeroDivisionError) and tried == [Attempt(1)]
 
 
 def test_time_limit_is_a_flag_and_a_config_key(tmp_path):

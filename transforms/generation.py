@@ -6,15 +6,10 @@ copy; calls into it are serialised by a lock because the engine keeps per-call s
 
 Each element is a list of PromptRows (one shard's with --batch-scope shard, any shards' with
 global): one engine call generates the whole list with continuous batching (`--batch-size`
-rows decode together). Failures are handled per call (`call_with_fallbacks`):
-
-  - any error but out-of-memory: the list is split in halves and each half retried, down to
-    single rows; a row that still fails alone goes to the dead letter (`generation_error`), so
-    one bad row costs O(log n) extra calls and the rest of the batch completes;
-  - out of accelerator memory: the allocator cache is emptied and the same rows are retried
-    with half as many rows decoding together (16 -> 8 -> ... -> 1), then, still out of memory
-    at one row, without speculation (no draft tokens to hold or verify); rows that run out of
-    memory even then are isolated by halving and go to the dead letter (`out_of_memory`).
+rows decode together). The engine's `generate_each` returns a result or an error per row,
+after its own fallbacks (out of memory: fewer rows together, then no speculation; any other
+error: halving down to single rows; `dspark.fallbacks`). Here a row's error becomes its dead
+letter (`out_of_memory` or `generation_error`) and each retry a Beam counter.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,6 +26,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
+from dspark.fallbacks import Attempt, is_out_of_memory
 from transforms.prompts import clip, render, text_fields
 from transforms.records import BatchReport, DeadLetter, GenerationRecord, PromptRow, SpecStats
 from transforms.schema import ErrorType
@@ -51,7 +46,7 @@ class EngineSpec:
     """Which engine to build on each worker (strings only: cheap to pickle, easy to log)."""
 
     target: str = "smollm2-135m-instruct"
-    drafter: str = "ngram"
+    drafter: str = "auto"  # the job always passes its --drafter; "auto" is the default everywhere
     scheduler: str = "dspark"
     dtype: str = "auto"
     device: str = "auto"
@@ -94,81 +89,6 @@ def build_generator(spec: EngineSpec):
     )
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
-
-
-def free_accelerator_cache() -> None:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # cleanup must never hide the original error
-        pass
-
-
-def checked_call(call: Callable[[list[T]], Sequence[R]], items: list[T]) -> list[R]:
-    results = list(call(items))
-    if len(results) != len(items):
-        raise RuntimeError(f"engine returned {len(results)} results for {len(items)} prompts")
-    return results
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """How one engine call runs: rows decoding together, and whether to speculate."""
-
-    batch_size: int
-    speculate: bool = True
-
-
-def after_out_of_memory(attempt: Attempt) -> Attempt | None:
-    """The next, smaller attempt after running out of memory: half the rows decoding together,
-    then (at one row) no speculation; None when nothing smaller is left."""
-    if attempt.speculate and attempt.batch_size > 1:
-        return Attempt(attempt.batch_size // 2, True)
-    if attempt.speculate:
-        return Attempt(1, False)
-    return None
-
-
-# on_retry(kind, rows, next attempt, error): kind is "split", "halve_batch" or "no_speculation"
-RetryHook = Callable[[str, int, Attempt, BaseException], None]
-
-
-def call_with_fallbacks(
-    call: Callable[[list[T], Attempt], Sequence[R]],
-    items: list[T],
-    attempt: Attempt,
-    on_retry: RetryHook | None = None,
-) -> list[R | Exception]:
-    """`call(items, attempt)` with the module docstring's fallbacks. Returns one result per item,
-    in order; an item that fails on its own gets its exception instead of a result."""
-    if not items:
-        return []
-    # the rows decoding together can never exceed the rows in the call: halving must bite
-    attempt = Attempt(min(attempt.batch_size, len(items)), attempt.speculate)
-    try:
-        return checked_call(lambda part: call(part, attempt), items)
-    except Exception as exc:
-        if is_out_of_memory(exc):
-            free_accelerator_cache()
-            smaller = after_out_of_memory(attempt)
-            if smaller is not None:
-                if on_retry is not None:
-                    on_retry("halve_batch" if smaller.speculate else "no_speculation", len(items), smaller, exc)
-                return call_with_fallbacks(call, items, smaller, on_retry)
-        if len(items) == 1:
-            return [exc]
-        if on_retry is not None:
-            on_retry("split", len(items), attempt, exc)
-        middle = len(items) // 2
-        return call_with_fallbacks(call, items[:middle], attempt, on_retry) + call_with_fallbacks(
-            call, items[middle:], attempt, on_retry
-        )
-
-
 def row_seed(seed: int, row: PromptRow) -> int:
     """The row's own sampling seed (from the job's seed, its shard and id): a sampled row's
     output then does not depend on its place in an engine call, so halving retries and
@@ -195,18 +115,6 @@ def time_limit_letter(row: PromptRow, result: Any, limit_s: float | None) -> Dea
 
 def failure_error_type(exc: BaseException) -> str:
     return ErrorType.OUT_OF_MEMORY if is_out_of_memory(exc) else ErrorType.GENERATION_ERROR
-
-
-@contextmanager
-def decode_batch_size(generator: Any, batch_size: int) -> Iterator[None]:
-    """Let at most `batch_size` rows decode together in this call (the generator's continuous
-    batching width, restored afterwards; callers hold the generator's lock)."""
-    before = generator.max_batch_size
-    generator.max_batch_size = min(before, batch_size)
-    try:
-        yield
-    finally:
-        generator.max_batch_size = before
 
 
 def spec_stats(stats: Any) -> SpecStats:
@@ -238,27 +146,15 @@ class Encoded:
 
 
 def shorten_to_fit(row: PromptRow, text_column: str, template: str, encode: Callable[[str], list[int]], tokenizer) -> Encoded | None:
-    """Cut the end of the text column, token-wise, until the rendered prompt fits (binary search
-    over the number of text tokens kept). None if even one text token does not fit."""
+    """Cut the end of the text column, token-wise, until the rendered prompt fits (the engine's
+    `cut_to_fit`: the rest of the template stays whole). None if even one text token does not fit."""
+    from dspark.generator import cut_to_fit
+
     fields = text_fields(row.template_values, text_column)
-    text_ids = tokenizer(row.template_values[fields[0]], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-    def attempt(keep: int) -> Encoded | None:
-        values = dict(row.template_values, **{f: tokenizer.decode(text_ids[:keep]) for f in fields})
-        try:
-            return Encoded(row, encode(render(template, values)), truncated=True)
-        except Exception:
-            return None
-
-    lo, hi, best = 1, len(text_ids) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        found = attempt(mid)
-        if found is None:
-            hi = mid - 1
-        else:
-            best, lo = found, mid + 1
-    return best
+    found = cut_to_fit(row.template_values[fields[0]],
+                       lambda text: encode(render(template, dict(row.template_values, **{f: text for f in fields}))),
+                       None, tokenizer, keep="start")
+    return None if found is None else Encoded(row, found[0], truncated=True)
 
 
 class GenerateBatchDoFn(beam.DoFn):
@@ -332,26 +228,9 @@ class GenerateBatchDoFn(beam.DoFn):
         return encoded, dead
 
     def _generate(self, batch: list[Encoded]) -> list[Any]:
+        """One result per row, a generation or the error that row fails with on its own: the
+        engine's fallbacks (`dspark.fallbacks`) decide; here they are counted and logged."""
         d = self.decode
-
-        def call(part: list[Encoded], attempt: Attempt):
-            self.engine_calls.inc()
-            with self._holder.lock:
-                generator = self._holder.generator if attempt.speculate else self._holder.no_speculation()
-                with decode_batch_size(generator, attempt.batch_size):
-                    return generator.generate(
-                        [e.ids for e in part],
-                        max_new_tokens=d.max_new_tokens,
-                        temperature=d.temperature,
-                        top_k=d.top_k,
-                        top_p=d.top_p,
-                        stop=list(d.stop) or None,
-                        seed=d.seed,
-                        seeds=[row_seed(d.seed, e.row) for e in part],
-                        chat=d.chat,
-                        progress=d.progress,
-                        **time_limit_kwargs(d.row_time_limit_s),
-                    )
 
         def on_retry(kind: str, size: int, attempt: Attempt, exc: BaseException) -> None:
             if kind == "split":
@@ -364,7 +243,23 @@ class GenerateBatchDoFn(beam.DoFn):
                 self.oom_fallbacks.inc(size)
                 LOG.warning("Out of memory on %d rows at one row at a time; retrying without speculation", size)
 
-        return call_with_fallbacks(call, batch, Attempt(self.engine.batch_size, True), on_retry)
+        if not batch:
+            return []
+        self.engine_calls.inc()
+        with self._holder.lock:
+            return self._holder.generator.generate_each(
+                [e.ids for e in batch],
+                max_new_tokens=d.max_new_tokens,
+                temperature=d.temperature,
+                top_k=d.top_k,
+                top_p=d.top_p,
+                stop=list(d.stop) or None,
+                seeds=[row_seed(d.seed, e.row) for e in batch],
+                chat=d.chat,
+                progress=d.progress,
+                on_retry=on_retry,
+                **time_limit_kwargs(d.row_time_limit_s),
+            )
 
     def _record(self, item: Encoded, result: Any) -> GenerationRecord:
         stats = spec_stats(result.stats)
@@ -458,14 +353,6 @@ class _SharedGenerator:
         with self.lock:
             load_s, self.load_s = self.load_s, None
         return load_s
-
-    def no_speculation(self) -> Any:
-        """The same target without a drafter (AR decoding, one row at a time), built on first use
-        and kept; it shares the loaded weights. Same class as the main generator, so a
-        generator subclass (e.g. with faults injected) keeps its behaviour."""
-        if getattr(self, "_no_speculation", None) is None:
-            self._no_speculation = type(self.generator)(self.generator.target, drafter=None, scheduler="ar", max_batch_size=1)
-        return self._no_speculation
 
     def sampler(self) -> "UsageSampler":
         return UsageSampler(self.device).start()
