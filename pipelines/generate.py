@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "truncate_prompts": False,
     "trust_remote_code": False,
     "progress": None,  # None: on when stderr is a terminal
+    "verbose": False,
     "runner": "DirectRunner",
     "beam_options": {},
 }
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = p.add_argument_group("runner")
     run.add_argument("--runner", metavar="NAME", help="DirectRunner (default), DataflowRunner, PrismRunner, ...")
+    run.add_argument("--verbose", action=argparse.BooleanOptionalAction,
+                     help="on an unexpected failure, print the whole traceback instead of one error line")
     return p
 
 
@@ -566,13 +569,28 @@ def main(argv: list[str] | None = None) -> int:
     from transforms.preflight import BadInputError  # imports Beam before logging is configured: less noise
 
     configure_logging()
-
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
     try:
+        verbose = bool(resolve_options(argv)[0].get("verbose"))
         run(argv)
     except (BadInputError, ConfigError, ResumeError, OutputError) as exc:  # the user's to fix: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a failure during the run (a worker's error comes back here)
+        if verbose:
+            raise
+        print(f"error: {one_line(exc)} (--verbose shows the traceback)", file=sys.stderr)
+        return 1
     return 0
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and the first line of its message: Beam re-raises a worker's error
+    with the worker's traceback folded into the message."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 if __name__ == "__main__":

@@ -95,3 +95,19 @@ def test_resume_redoes_an_input_file_rewritten_with_the_same_row_count(tmp_path,
     ids = sorted(g["id"] for g in read_folder(out, "generations"))
     assert ids == sorted([f"0-{i}" for i in range(3)] + [f"new-{i}" for i in range(3)])
     assert summary["resume"]["files_already_complete"] == 1 and summary["resume"]["files_changed_since"] == [str(rewritten)]
+
+
+def test_a_failure_during_the_run_is_one_error_line_unless_verbose(monkeypatch, capsys, tmp_path):
+    """Beam re-raises a worker's error with its traceback folded into the message: the user
+    sees its first line and exit status 1; --verbose lets the traceback through."""
+
+    def fails(argv=None, **_):
+        raise RuntimeError("worker died on shard a.parquet\nTraceback (most recent call last):\n  ...")
+
+    monkeypatch.setattr(cli, "run", fails)
+    args = ["--output", str(tmp_path / "out")]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: RuntimeError: worker died on shard a.parquet (--verbose shows the traceback)"]
+    with pytest.raises(RuntimeError, match="worker died"):
+        cli.main(args + ["--verbose"])
