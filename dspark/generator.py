@@ -156,7 +156,7 @@ class DSparkGenerator:
             return (ids[-limit:] if keep == "end" else ids[:limit]), True
         if cut is None:
             raise PromptError("too_long", f"not even one token of the prompt's text fits with max_new_tokens={max_new_tokens}")
-        return cut[0], True
+        return cut, True
 
     # --- generation --------------------------------------------------------------------
     def generate(
@@ -273,21 +273,21 @@ class DSparkGenerator:
 
 def cut_to_fit(
     text: str, encode: Callable[[str], list[int]], limit: int | None, tokenizer, keep: str = "start"
-) -> tuple[list[int], str] | None:
+) -> list[int] | None:
     """The longest cut of `text`, in whole tokens from its start (keep="start") or its end
     ("end"), whose prompt `encode(cut)` is at most `limit` tokens (None: `encode` raises
     PromptError when a prompt does not fit): a binary search over the text tokens kept. Returns
-    the prompt's ids and the cut text, or None when not even one token fits. Only the text is
+    the prompt's ids, or None when not even one token fits. Only the text is
     cut: whatever `encode` wraps around it (a chat template, a prompt template) stays whole."""
     text_ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
-    def fitting(n: int) -> tuple[list[int], str] | None:
+    def fitting(n: int) -> list[int] | None:
         cut = tokenizer.decode(text_ids[:n] if keep == "start" else text_ids[len(text_ids) - n:])
         try:
             ids = encode(cut)
         except PromptError:
             return None
-        return (ids, cut) if limit is None or len(ids) <= limit else None
+        return ids if limit is None or len(ids) <= limit else None
 
     lo, hi, best = 1, len(text_ids) - 1, None
     while lo <= hi:

@@ -585,12 +585,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
+def one_line(exc: BaseException) -> str:
     """The exception's type and the first line of its message: Beam re-raises a worker's error
     with the worker's traceback folded into the message."""
+    from transforms.prompts import clip
+
     lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clip(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
 
 
 if __name__ == "__main__":

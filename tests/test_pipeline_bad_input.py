@@ -306,7 +306,7 @@ def corrupt_first_row_group(path: Path) -> None:
 
 def test_skip_bad_files_records_them_and_processes_the_rest(tiny_model, tmp_path):
     good = good_shard(tmp_path / "a-good.parquet", 2)
-    long_row = write_shard(tmp_path / "c-long.parquet", [{"id": "long", "text": " ".join(sentence(i, 30) for i in range(12))}])
+    write_shard(tmp_path / "c-long.parquet", [{"id": "long", "text": " ".join(sentence(i, 30) for i in range(12))}])
     not_parquet = tmp_path / "b-bad.parquet"
     not_parquet.write_text("hello")
     missing = write_shard(tmp_path / "d-missing.parquet", [{"id": "1", "body": "x"}])

@@ -160,7 +160,7 @@ def test_a_sampled_pass_adds_second_answers_to_the_same_prompts(target, tmp_path
     rows = {r["id"]: r for r in read_jsonl(d / "answers.jsonl")}
     assert sorted(rows) == sorted([p.id for p, _ in plan] + [f"{p.id}~t1" for p, _ in plan])
     for p, ids in plan:  # the same prompt and split, a different (sampled) answer
-        greedy, sampled = rows[p.id], rows[f"{p.id}~t1"]
+        sampled = rows[f"{p.id}~t1"]
         assert sampled["prompt_ids"] == ids and sampled["split"] == p.split
     assert any(rows[p.id]["output_ids"] != rows[f"{p.id}~t1"]["output_ids"] for p, _ in plan)
     # seeded per row: a fresh run writes the same sampled answers

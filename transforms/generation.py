@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -37,8 +37,6 @@ BATCH_REPORT_TAG = "batch_report"
 
 SPEC_FIELDS = ("drafted", "verified", "accepted", "rounds", "prefills", "emitted")
 
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -154,7 +152,7 @@ def shorten_to_fit(row: PromptRow, text_column: str, template: str, encode: Call
     found = cut_to_fit(row.template_values[fields[0]],
                        lambda text: encode(render(template, dict(row.template_values, **{f: text for f in fields}))),
                        None, tokenizer, keep="start")
-    return None if found is None else Encoded(row, found[0], truncated=True)
+    return None if found is None else Encoded(row, found, truncated=True)
 
 
 class GenerateBatchDoFn(beam.DoFn):
