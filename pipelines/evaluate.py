@@ -10,9 +10,11 @@
 
 Phases: compare (greedy, every method at every batch size, per scenario), sampling (hf and
 the engine methods over several seeds), threshold sweep, load sweep, soak. Each optional
-phase runs when its flag asks for it. Writes DIR/results.json, DIR/outputs.jsonl (every
-output of every phase but the soak), DIR/report.md and its PNG plots. The report is
-docs/evaluation.md; the methods are in dspark/evaluation/.
+phase runs when its flag asks for it. Saves the raw measurements as each run ends
+(DIR/outputs.jsonl: every output of every phase but the soak; DIR/runs.jsonl; DIR/measurement.json),
+then computes DIR/results.json, DIR/report.md and its PNG plots from them; `--rebuild --out DIR`
+does only that second step. The report is docs/evaluation.md; the methods are in
+dspark/evaluation/.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from dspark.evaluation import load_prompt_files, run_benchmark, split_method, summarise, write_outputs
+from dspark.evaluation import RawWriter, load_prompt_files, read_measurement, read_runs, run_benchmark, split_method, summarise
 from dspark.hardware import cpu_model
 
 DEFAULT_METHODS = "hf,hf-pld,ar,fixed:2@ngram,fixed:4@ngram,fixed:8@ngram,threshold:0.7@ngram,dspark@ngram"
@@ -77,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(with --prompts too, the prompt files form one more scenario)")
     g.add_argument("--prompts-dir", default=None, help="where preset prompt files live (default: $DSPARK_PROMPTS_DIR or data/prompts)")
     g.add_argument("--out", help="output directory for results.json, outputs.jsonl and report.md")
+    g.add_argument("--rebuild", action="store_true", default=None,
+                   help="measure nothing: rebuild results.json, report.md and the plots in --out from the raw "
+                   "measurements a run saved there (outputs.jsonl, runs.jsonl, measurement.json)")
     g.add_argument("--methods", default=None, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
     g.add_argument("--batch-sizes", default=None, help="comma-separated batch sizes (default: 1)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default: 128; overrides presets)")
@@ -177,7 +182,7 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, config.get(key))
     if args.out is None:
         parser.error("--out is required (on the command line or in --config)")
-    if args.prompts is None and not args.preset:
+    if args.prompts is None and not args.preset and not args.rebuild:
         parser.error("--prompts or --preset is required (on the command line or in --config)")
     for key in ("methods", "batch_sizes", "preset", "thresholds", "load_batch_sizes", "load_methods", "sampling_methods", "soak_methods", "prompts"):
         if isinstance(getattr(args, key), list):
@@ -241,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from dspark.drafters import make_drafter
-    from dspark.evaluation.analysis import load_sweep_rows, sampling_summary, threshold_sweep_rows
-    from dspark.evaluation.report import md_table, plot_all, render_markdown
     from dspark.evaluation.resources import cuda_memory, measure_drafter, run_soak, tensor_bytes
     from dspark.generator import DSparkGenerator
     from dspark.hardware import UtilizationSampler, device_name
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve_args(argv)
+    if args.rebuild:
+        return report_from_raw(Path(args.out))
     drafter = args.default_drafter
     methods = [with_drafter(m, drafter) for m in _csv(args.methods)]
     batch_sizes = [int(b) for b in _csv(args.batch_sizes)]
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_sc = by_name.get(args.sweep_scenario) or scenarios[-1]
     soak_sc = by_name.get(args.soak_scenario) or scenarios[0]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    raw = RawWriter(out, references)  # measurements are saved as each run ends
 
     log(f"loading target {args.target} ({args.dtype}, {args.device})")
     target = load_model(args.target, device=args.device, dtype=args.dtype)
@@ -321,6 +326,45 @@ def main(argv: list[str] | None = None) -> int:
         log("cost table: verify costs by batch and width (measured once per machine, then cached)")
         cost_table = load_or_profile(target, max_rows=max(batch_sizes + load_bs)).describe()
 
+    settings = {
+        "command": shlex.join(["python", "-m", "pipelines.evaluate", *argv]),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "device": device_name(dev),
+        "target": target.name,
+        "target_parameters": sum(p.numel() for p in target.model.parameters()),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "drafters": drafter_specs,
+        "cost_table": cost_table,  # target forward time per rows x tokens per row (dspark scheduler)
+        "scenarios": {sc.name: f"{len(prompts[sc.name])} prompts from {', '.join(Path(f).name for f in sc.prompts)}, "
+                      f"{sc.max_new_tokens} new tokens" for sc in scenarios},
+        "methods": methods,
+        "batch_sizes": batch_sizes,
+        "prompts": args.prompts,  # the original results.json keys
+        "num_prompts": sum(len(p) for p in prompts.values()),
+        "max_new_tokens": scenarios[0].max_new_tokens,
+        "sampling": (f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, {args.seeds} seeds, "
+                     f"{len(sample_prompts)} prompts of {sample_sc.name}, batch {sample_bs}, {sample_mnt} new tokens, "
+                     f"methods {', '.join(sampling_methods)}") if args.seeds else "off",
+        "thresholds": (f"{', '.join(map(str, thresholds))} with {drafter}, batch {args.sweep_batch_size}, "
+                       f"{len(sweep_prompts)} prompts of {sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if thresholds else "off",
+        "load_sweep": (f"batch {', '.join(map(str, load_bs))}; {', '.join(load_methods)}; {len(load_prompts_)} prompts of "
+                       f"{sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if load_bs else "off",
+        "soak": (f"{args.soak_minutes:g} min of {', '.join(soak_methods)} at batch {soak_bs} on {soak_sc.name}, "
+                 f"{soak_mnt} new tokens") if args.soak_minutes > 0 else "off",
+        "versions": _versions(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "elapsed_s": None,  # set when measuring ends
+    }
+    measurement: dict = {
+        "settings": settings,
+        "phases_run": {"sampling": bool(args.seeds), "threshold_sweep": bool(thresholds), "load_sweep": bool(load_bs)},
+        "sampling_params": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                            "seeds": args.seeds, "seed": args.seed, "scenario": sample_sc.name,
+                            "max_new_tokens": sample_mnt} if args.seeds else None,
+    }
+    raw.measurement(measurement, default=_json_default)
     runs, phases, failures = [], [], []
     t0 = time.perf_counter()
     sampler = UtilizationSampler(interval_s=args.sample_interval, device=dev).start()
@@ -353,19 +397,19 @@ def main(argv: list[str] | None = None) -> int:
 
         for sc in scenarios:
             runs += phase(f"compare:{sc.name}", lambda sc=sc: run_benchmark(
-                target, prompts[sc.name], methods, batch_sizes, sc.max_new_tokens, make_generator, tick(sc.name), scenario=sc.name))
+                target, prompts[sc.name], methods, batch_sizes, sc.max_new_tokens, make_generator, tick(sc.name), on_run=raw.add, scenario=sc.name))
         if args.seeds:
             runs += phase("sampling", lambda: [run for r in range(args.seeds) for run in run_benchmark(
                 target, sample_prompts, sampling_methods, [sample_bs], sample_mnt, make_generator, tick(f"sampling seed {r}"),
-                sampling=sampling, seed=args.seed + 100_000 * r, seed_index=r, scenario=sample_sc.name, phase="sampling")])
+                on_run=raw.add, sampling=sampling, seed=args.seed + 100_000 * r, seed_index=r, scenario=sample_sc.name, phase="sampling")])
         if thresholds:
             runs += phase("threshold_sweep", lambda: run_benchmark(
                 target, sweep_prompts, sweep_methods, [args.sweep_batch_size], args.sweep_max_new_tokens, make_generator,
-                tick("threshold sweep"), scenario=sweep_sc.name, phase="threshold_sweep"))
+                tick("threshold sweep"), on_run=raw.add, scenario=sweep_sc.name, phase="threshold_sweep"))
         if load_bs:
             runs += phase("load_sweep", lambda: run_benchmark(
                 target, load_prompts_, load_methods, load_bs, args.sweep_max_new_tokens, make_generator,
-                tick("load sweep"), scenario=sweep_sc.name, phase="load_sweep"))
+                tick("load sweep"), on_run=raw.add, scenario=sweep_sc.name, phase="load_sweep"))
         if args.soak_minutes > 0:
 
             def soak():
@@ -383,21 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     report = sampler.stop()
     elapsed = time.perf_counter() - t0
 
-    # --- summaries --------------------------------------------------------------------------
-    by_phase = lambda name: [r for r in runs if r.phase == name]  # noqa: E731
-    results: dict = {"settings": {}, "runs": summarise(by_phase("compare"), references), "failures": failures}
-    if args.seeds:
-        results["sampling"] = sampling_summary(by_phase("sampling"), references)
-        results["sampling"]["params"] = {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                                         "top_p": sampling.top_p, "seeds": args.seeds, "seed": args.seed,
-                                         "scenario": sample_sc.name, "max_new_tokens": sample_mnt}
-        results["sampling_runs"] = summarise(by_phase("sampling"), references)
-    if thresholds:
-        results["threshold_sweep"] = threshold_sweep_rows(summarise(by_phase("threshold_sweep")))
-    if load_bs:
-        rows, checks = load_sweep_rows(summarise(by_phase("load_sweep")))
-        results["load_sweep"] = {"rows": rows, "checks": checks}
-    results["resources"] = {
+    measurement["failures"] = failures
+    measurement["resources"] = {
         **report.as_dict(),
         "target_tensor_bytes": tensor_bytes(target.model),
         "cuda": cuda_memory(dev),
@@ -406,57 +437,82 @@ def main(argv: list[str] | None = None) -> int:
         "phases": phases,
     }
     if soak_result is not None:
-        results["soak"] = {**soak_result.as_dict(), "methods": soak_methods, "batch_size": soak_bs,
-                           "max_new_tokens": soak_mnt, "scenario": soak_sc.name}
-    results["settings"] = {
-        "command": shlex.join(["python", "-m", "pipelines.evaluate", *argv]),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(),
-        "device": device_name(dev),
-        "target": target.name,
-        "target_parameters": sum(p.numel() for p in target.model.parameters()),
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "drafters": drafter_specs,
-        "cost_table": cost_table,  # target forward time per rows x tokens per row (dspark scheduler)
-        "scenarios": {sc.name: f"{len(prompts[sc.name])} prompts from {', '.join(Path(f).name for f in sc.prompts)}, "
-                      f"{sc.max_new_tokens} new tokens" for sc in scenarios},
-        "methods": methods,
-        "batch_sizes": batch_sizes,
-        "prompts": args.prompts,  # the original results.json keys
-        "num_prompts": sum(len(p) for p in prompts.values()),
-        "max_new_tokens": scenarios[0].max_new_tokens,
-        "sampling": (f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, {args.seeds} seeds, "
-                     f"{len(sample_prompts)} prompts of {sample_sc.name}, batch {sample_bs}, {sample_mnt} new tokens, "
-                     f"methods {', '.join(sampling_methods)}") if args.seeds else "off",
-        "thresholds": (f"{', '.join(map(str, thresholds))} with {drafter}, batch {args.sweep_batch_size}, "
-                       f"{len(sweep_prompts)} prompts of {sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if thresholds else "off",
-        "load_sweep": (f"batch {', '.join(map(str, load_bs))}; {', '.join(load_methods)}; {len(load_prompts_)} prompts of "
-                       f"{sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if load_bs else "off",
-        "soak": (f"{args.soak_minutes:g} min of {', '.join(soak_methods)} at batch {soak_bs} on {soak_sc.name}, "
-                 f"{soak_mnt} new tokens") if args.soak_minutes > 0 else "off",
-        "versions": _versions(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "elapsed_s": elapsed,
-    }
-    outputs = [o for r in runs for o in r.outputs]
-    write_outputs(runs, out / "outputs.jsonl")
-    plots = plot_all(results, outputs, out)
-    results["plots"] = plots
+        measurement["soak"] = {**soak_result.as_dict(), "methods": soak_methods, "batch_size": soak_bs,
+                               "max_new_tokens": soak_mnt, "scenario": soak_sc.name}
+    settings["elapsed_s"] = elapsed
+    raw.measurement(measurement, default=_json_default)
+
+    try:
+        results = write_report(out)
+    except Exception:
+        log(f"summarising failed; the measurements are saved in {out}: after a fix, rebuild the report with "
+            f"`python -m pipelines.evaluate --rebuild --out {out}`")
+        raise
+
+    print_summary(results)
+    log(f"wrote {out / 'report.md'}, {out / 'results.json'} and the raw measurements ({out / 'outputs.jsonl'}, runs.jsonl, measurement.json)")
+    if failures:
+        log(f"{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)")
+    return 1 if failures else 0
+
+
+def build_results(measurement: dict, runs: list, references: dict[str, str]) -> dict:
+    """results.json from the raw measurements: every figure is computed here, from the runs'
+    outputs and timings, never while measuring."""
+    from dspark.evaluation.analysis import load_sweep_rows, sampling_summary, threshold_sweep_rows
+
+    by_phase = lambda name: [r for r in runs if r.phase == name]  # noqa: E731
+    ran = measurement.get("phases_run", {})
+    results: dict = {"settings": measurement["settings"], "runs": summarise(by_phase("compare"), references),
+                     "failures": measurement.get("failures", [])}
+    if ran.get("sampling"):
+        results["sampling"] = sampling_summary(by_phase("sampling"), references)
+        results["sampling"]["params"] = measurement.get("sampling_params")
+        results["sampling_runs"] = summarise(by_phase("sampling"), references)
+    if ran.get("threshold_sweep"):
+        results["threshold_sweep"] = threshold_sweep_rows(summarise(by_phase("threshold_sweep")))
+    if ran.get("load_sweep"):
+        rows, checks = load_sweep_rows(summarise(by_phase("load_sweep")))
+        results["load_sweep"] = {"rows": rows, "checks": checks}
+    results["resources"] = measurement.get("resources") or {}
+    if measurement.get("soak"):
+        results["soak"] = measurement["soak"]
+    return results
+
+
+def write_report(out: Path) -> dict:
+    """results.json, report.md and the plots in `out`, from the raw measurements saved there."""
+    from dspark.evaluation.report import plot_all, render_markdown
+
+    runs, references = read_runs(out)
+    results = build_results(read_measurement(out), runs, references)
+    results["plots"] = plot_all(results, [o for r in runs for o in r.outputs], out)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
-    (out / "report.md").write_text(render_markdown(results, plots), encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(results, results["plots"]), encoding="utf-8")
+    return results
+
+
+def report_from_raw(out: Path) -> int:
+    """`--rebuild`: the report of an earlier (or interrupted) run, measuring nothing."""
+    results = write_report(out)
+    if results["settings"].get("elapsed_s") is None:
+        log(f"{out}: measuring did not finish; the report covers the runs that completed")
+    print_summary(results)
+    log(f"wrote {out / 'report.md'} and {out / 'results.json'}")
+    return 0
+
+
+def print_summary(results: dict) -> None:
+    """The compare table on stdout, as Markdown (a log file gets it uncut)."""
+    from dspark.evaluation.report import md_table
 
     first = results["runs"]
     f = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     rows = [[r["scenario"], r["method"], str(r["batch_size"]), f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
              f(r.get("speedup_vs_ar"), ".2f"), f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),
              f(r["correction_rate"], ".0%"), f(r["p50_latency_s"], ".2f"), f(r["p99_latency_s"], ".2f")] for r in first]
-    print(f"{target.name} {results['settings']['dtype']} on {results['settings']['device']}")
+    print(f"{results['settings']['target']} {results['settings']['dtype']} on {results['settings']['device']}")
     print(md_table(["scenario", "method", "batch", "tok/s", "vs hf", "vs ar", "same as hf", "tau", "accept", "correct", "p50 s", "p99 s"], rows))
-    log(f"wrote {out / 'report.md'}, {out / 'results.json'} and {out / 'outputs.jsonl'}")
-    if failures:
-        log(f"{len(failures)} phase(s) failed: {', '.join(f['phase'] for f in failures)} (see report.md)")
-    return 1 if failures else 0
 
 
 def _json_default(obj):

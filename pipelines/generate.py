@@ -90,8 +90,9 @@ outputs (under --output DIR; one file per input shard in each folder, named afte
   Every input row appears exactly once in generations or dead_letter. A rerun into the same DIR
   first deletes all previous outputs; with --resume it keeps the input files that have a marker
   (same settings; the same file: row counts, size, modification time, footer hash), deletes every
-  other output file (partial ones from a crash) and processes only the rest. Details:
-  docs/pipeline.md.
+  other output file (partial ones from a crash) and processes only the rest. Local runners
+  commit in parts of whole shards (at least --rows-per-call rows per worker), so a crash keeps
+  every part that finished. Details: docs/pipeline.md.
 
 bad input:
   Row level (the job goes on; the row goes to dead_letter with error_type):
@@ -112,7 +113,7 @@ bad input:
     differ between shards (file_schema_mismatch). --skip-bad-files records such files in
     dead_letter (id null, shard = the file) and processes the rest. A row group that fails to
     decode during the job (a file changed after the check) stops the job, or with
-    --skip-bad-files becomes one file_row_group_unreadable entry.
+    --skip-bad-files becomes one file_row_group_unreadable entry (its rows count as failed).
 
 config files (--config FILE, YAML, parsed with yaml.safe_load):
   keys are the flags above without dashes (e.g. max_new_tokens: 1024); `beam_options:` maps
@@ -488,7 +489,7 @@ def without_files(pre, paths: set[str]):
 
 
 def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None, on_progress=None, checked=None,
-                   complete: frozenset[str] = frozenset()):
+                   complete: frozenset[str] = frozenset(), share_key: str | None = None):
     """(pipeline, preflight, job): checks the input (unless `checked` = (job, preflight) already),
     then builds the graph over the input files not in `complete` (nothing runs yet). Raises
     BadInputError before any model is loaded anywhere."""
@@ -500,8 +501,47 @@ def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None,
     job, pre = checked or check_run(options)
     p = beam.Pipeline(runner=make_runner(options), options=pipeline_options(options, beam_flags))
     _ = p | "DSpark" >> GenerateFromShards(without_files(pre, set(complete)), job, generator_factory or build_generator,
-                                           on_progress)
+                                           on_progress, share_key)
     return p, pre, job
+
+
+def local_workers(beam_flags: list[str]) -> int:
+    """Worker processes (or threads) a local runner uses: --direct_num_workers, 0 = one per CPU."""
+    import os
+
+    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+
+    n = PipelineOptions(beam_flags).view_as(DirectOptions).direct_num_workers or 0
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+def run_parts(options: dict, beam_flags: list[str], job, pre, generator_factory, on_progress) -> dict[str, int]:
+    """Run the job over `pre` and return its Beam counters. A local runner runs it in parts of
+    whole shards, one pipeline after the other, each committing its shards' outputs when it
+    ends (a Beam batch pipeline writes nothing until its grouping step has every row), so a
+    crash in hour 3 keeps hours 1 and 2 for --resume. A part holds at least --rows-per-call rows
+    per worker, so engine calls stay full; the model is loaded once per process for all parts.
+    Remote runners take the whole job at once (their service retries failed work)."""
+    import uuid
+
+    from transforms.job import commit_parts
+    from transforms.summary import beam_counters
+
+    local = options["runner"] in LOCAL_RUNNERS
+    parts = commit_parts(pre, job.rows_per_call * local_workers(beam_flags)) if local else [pre]
+    share_key = uuid.uuid4().hex
+    counters: dict[str, int] = {}
+    LOG.info("Running on %s; writing %s%s", options["runner"], options["output"],
+             f" in {len(parts)} parts, each committed as it ends" if len(parts) > 1 else "")
+    for k, part in enumerate(parts, 1):
+        if len(parts) > 1:
+            LOG.info("Part %d of %d: %d shard(s), %d row(s)", k, len(parts), len(part.shards), part.num_rows)
+        p, _, _ = build_pipeline(options, beam_flags, generator_factory, on_progress, (job, part), share_key=share_key)
+        result = p.run()
+        result.wait_until_finish()
+        for name, value in beam_counters(result).items():
+            counters[name] = counters.get(name, 0) + value
+    return dict(sorted(counters.items()))
 
 
 def printable_config(options: dict) -> dict:
@@ -514,7 +554,7 @@ def run(argv: list[str] | None = None, generator_factory=None, on_progress=None)
     to crash a job part-way)."""
     from transforms.job import job_settings, unit_identities
     from transforms.outputs import check_writable, prepare_output
-    from transforms.summary import beam_counters, build_summary, write_summary
+    from transforms.summary import build_summary, write_summary
 
     options, beam_flags = resolve_options(list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
@@ -528,11 +568,7 @@ def run(argv: list[str] | None = None, generator_factory=None, on_progress=None)
                  f"; keeping {len(plan.kept_other)} complete file(s) not in this input" if plan.kept_other else "")
     counters: dict[str, int] = {}
     if plan.todo:
-        p, _, _ = build_pipeline(options, beam_flags, generator_factory, on_progress, (job, pre), frozenset(plan.complete))
-        LOG.info("Running on %s; writing %s", options["runner"], options["output"])
-        result = p.run()
-        result.wait_until_finish()
-        counters = beam_counters(result)
+        counters = run_parts(options, beam_flags, job, without_files(pre, set(plan.complete)), generator_factory, on_progress)
     wall_s = time.perf_counter() - started
     skipped = [{"file": f.path, "error_type": f.error_type, "error": f.error} for f in pre.skipped]
     resume = {"resumed": bool(options["resume"]), "files_already_complete": len(plan.complete),

@@ -412,3 +412,69 @@ def test_split_keeps_the_drafters_held_out_prompts_before_the_limit(tmp_path):
     assert len(load_prompt_files([a], split="eval")) == len(held_out) < len(ids)
     with pytest.raises(ValueError, match="split must be one of"):
         load_prompt_files([a], split="test")
+
+
+def test_rebuild_from_the_raw_measurements_gives_the_same_results(report, tmp_path):
+    """results.json and report.md are computed from the raw files alone (outputs.jsonl,
+    runs.jsonl, measurement.json): `--rebuild` in a copy of the folder gives the same ones."""
+    import shutil
+
+    from pipelines import evaluate
+
+    copy = tmp_path / "copy"
+    shutil.copytree(report["dir"], copy)
+    for name in ["results.json", "report.md", *(p.name for p in copy.glob("*.png"))]:
+        (copy / name).unlink()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert evaluate.main(["--rebuild", "--out", str(copy)]) == 0
+    assert json.loads((copy / "results.json").read_text()) == report["results"]
+    assert (copy / "report.md").read_text() == report["md"]
+    assert sorted(p.name for p in copy.glob("*.png")) == sorted(p.name for p in report["dir"].glob("*.png"))
+
+
+def test_mt_bench_turns_and_reference_lists_are_scored_turn_by_turn(tmp_path, tiny_llama, monkeypatch):
+    """MT-bench / Spec-Bench files: `question_id`, a list of `turns` and a `reference` per turn.
+    The first turn is the prompt and reference[0] its reference (scored with ROUGE-L and BLEU);
+    an empty or null reference scores nothing. A failure while summarising leaves every run's
+    raw measurements, and `--rebuild` writes the report from them once the cause is fixed."""
+    from pipelines import evaluate
+
+    tiny_llama.model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    tiny_llama.tokenizer.save_pretrained(tmp_path / "model")
+    rows = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now shorter."],
+         "reference": ["The sea is wide and blue.", "Sea."]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2 + 2?", "And 3 + 3?"], "reference": []},
+        {"question_id": 83, "category": "math", "turns": ["What is 5 * 5?"], "reference": [None, "x"]},
+        {"question_id": 84, "category": "coding", "turns": ["Print hello."]},
+    ]
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = load_prompt_files([prompts])
+    assert [(p.id, p.text, p.category, p.reference) for p in recs] == [
+        ("81", "Write a poem about the sea.", "writing", "The sea is wide and blue."),
+        ("82", "What is 2 + 2?", "math", None), ("83", "What is 5 * 5?", "math", None), ("84", "Print hello.", "coding", None)]
+
+    out = tmp_path / "out"
+    argv = ["--prompts", str(prompts), "--out", str(out), "--methods", "hf,ar", "--max-new-tokens", "4",
+            "--target", str(tmp_path / "model"), "--dtype", "float32"]
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'list' object has no attribute 'lower'")
+
+    monkeypatch.setattr(evaluate, "build_results", broken)
+    with pytest.raises(AttributeError), contextlib.redirect_stdout(io.StringIO()):
+        evaluate.main(argv)
+    assert not (out / "results.json").exists()
+    saved = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert {(o["method"], o["prompt_id"]) for o in saved} == {(m, str(q)) for m in ("hf", "ar") for q in (81, 82, 83, 84)}
+    monkeypatch.undo()
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert evaluate.main(["--rebuild", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for run in results["runs"]:
+        text = next(o["text"] for o in saved if o["method"] == run["method"] and o["prompt_id"] == "81")
+        assert run["num_references"] == 1
+        assert run["rouge_l_vs_reference"] == pytest.approx(ref_rouge(text, "The sea is wide and blue."))
+        assert run["bleu_vs_reference"] == pytest.approx(ref_bleu([text], ["The sea is wide and blue."]))

@@ -328,6 +328,13 @@ def test_skip_bad_files_records_them_and_processes_the_rest(tiny_model, tmp_path
     assert {f["file"] for f in summary["skipped_files"]} == {str(not_parquet), str(missing)}
     assert read_summary(out)["totals"]["num_files_skipped"] == 2
     assert str(good) in {m["shard"] for m in read_folder(out, "shard_metrics")}
+    # the damaged file's 6 rows are all accounted for: 3 generated, 3 never read (one dead letter)
+    damaged_metrics = next(m for m in read_folder(out, "shard_metrics") if m["shard"] == str(damaged))
+    assert (damaged_metrics["num_records"], damaged_metrics["num_ok"], damaged_metrics["num_failed"]) == (6, 3, 3)
+    letter = next(d for d in read_folder(out, "dead_letter") if d["error_type"] == ErrorType.FILE_ROW_GROUP_UNREADABLE)
+    assert letter["error"].startswith("row group 0 (3 rows) could not be read")
+    totals = read_summary(out)["totals"]
+    assert totals["num_records"] == 2 + 1 + 6 and totals["num_ok"] + totals["num_failed"] == totals["num_records"]
 
 
 def test_unreadable_row_group_fails_the_job_naming_the_file(tiny_model, tmp_path):

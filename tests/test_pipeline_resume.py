@@ -5,7 +5,10 @@ resume refused under other settings, and output names that cannot leave the outp
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from pipeline_support import TINY_NAME, CrashAfterShards, build_tiny_model_dir, 
 
 from pipelines import generate as cli  # noqa: E402
 from transforms import outputs as O  # noqa: E402
+from transforms.generation import build_generator  # noqa: E402
 from transforms.schema import ErrorType  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +137,87 @@ def test_property_multi_processing_crash_and_resume_keep_every_row_exactly_once(
     assert summary["resume"]["files_processed"] == len(shards) - len(left)
     assert set(markers(out)) == set(ids_by_shard)
     assert summary["totals"]["num_records"] == sum(len(rows) for rows in shards)
+
+
+def start_job(args: list[str]) -> subprocess.Popen:
+    """`python -m pipelines.generate ARGS` in a process group of its own (kill it with killpg)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "pipelines.generate", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def kill_after_markers(job: subprocess.Popen, out: Path, k: int, delay_s: float, timeout_s: float = 240) -> None:
+    """SIGKILL the job's whole process group (launcher and worker processes) `delay_s` after
+    its k-th input file is complete, wherever generation then is."""
+    deadline = time.monotonic() + timeout_s
+    while len(list((out / "_complete").glob("*.json"))) < k:
+        assert job.poll() is None, f"the job ended before {k} input files were complete: {job.stderr.read().decode()[-2000:]}"
+        assert time.monotonic() < deadline, "the job made no progress"
+        time.sleep(0.02)
+    time.sleep(delay_s)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    job.stderr.close()
+
+
+@pytest.mark.parametrize("mode", ["in_memory", "multi_processing"])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(shards=st.lists(st.lists(GOOD_OR_BAD, min_size=2, max_size=3), min_size=2, max_size=3), data=st.data())
+def test_property_a_job_killed_during_generation_resumes_redoing_only_unfinished_files(
+        tiny_model, tmp_path_factory, mode, shards, data):
+    """`kill -9` of the whole job (launcher and workers) at a random moment of generation: input
+    files finished before it keep their outputs, `--resume` reads and generates only the
+    unfinished files' rows, and every row ends up exactly once in generations or dead_letter.
+    A local runner commits the job in parts of whole shards of at least --rows-per-call rows per
+    worker (here 1 x 2 at most: every file is a part of its own), so files complete while later
+    ones are still generating; a long last file keeps the job busy until the kill."""
+    folder = tmp_path_factory.mktemp(f"kill-{mode}")
+    ids_by_shard = write_shards(folder, [[(f"s{k}-{i}", text) for i, text in enumerate(rows)] for k, rows in enumerate(shards)])
+    last = write_raw_shard(folder / "z-last.parquet", [f"z{i}" for i in range(40)], [sentence(i, 8) for i in range(40)])
+    ids_by_shard[str(last)] = [f"z{i}" for i in range(40)]
+    rows = {shard: len(ids) for shard, ids in ids_by_shard.items()}
+    out = folder / "out"
+    flags = MP_FLAGS if mode == "multi_processing" else []
+    args = base_args(tiny_model, out, str(folder / "*.parquet")) + ["--max-new-tokens", "8", "--rows-per-call", "1", *flags]
+    k = data.draw(st.integers(1, len(shards)), label="input files complete before the kill")
+    delay_s = data.draw(st.floats(0, 0.3), label="seconds after that")
+    kill_after_markers(start_job(args), out, k, delay_s)
+
+    left = markers(out)
+    assert k <= len(left) < len(rows)  # committed part by part, and killed before the end
+    assert not (out / "run_summary.json").exists()  # the folder does not claim a finished run
+    before = snapshot(out)
+    summary = cli.run(args + ["--resume"])
+    assert all(before[f] == snapshot(out)[f] for m in left.values() for f in m.files(str(out)))
+    unfinished = set(rows) - set(left)
+    assert summary["resume"]["files_already_complete"] == len(left)
+    assert summary["resume"]["files_processed"] == len(unfinished)
+    assert summary["beam_counters"].get("dspark.rows_read", 0) == sum(rows[s] for s in unfinished)  # rows redone
+    got, expected = conserved(ids_by_shard, out)
+    assert got == expected
+    assert summary["totals"]["num_records"] == sum(rows.values())
+
+
+LOADS: list[str] = []
+
+
+def counting_factory(spec):
+    LOADS.append(spec.target)
+    return build_generator(spec)
+
+
+def test_a_run_in_parts_loads_the_model_once_per_process(tiny_model, tmp_path):
+    """In-process runner, one file per part (--rows-per-call 1): three pipelines, one model load;
+    a second run loads its own."""
+    for k in range(3):
+        write_shard(tmp_path / f"s{k}.parquet", [{"id": f"{k}-{i}", "text": sentence(i)} for i in range(2)])
+    args = base_args(tiny_model, tmp_path / "out", str(tmp_path / "*.parquet")) + ["--rows-per-call", "1", "--max-new-tokens", "2"]
+    LOADS.clear()
+    summary = cli.run(args, generator_factory=counting_factory)
+    assert len(LOADS) == 1 and summary["totals"]["num_ok"] == 6
+    assert summary["beam_counters"]["dspark.shards_written"] == 3  # summed over the three parts
+    cli.run(args, generator_factory=counting_factory)
+    assert len(LOADS) == 2
 
 
 def test_partial_shard_is_redone_and_stray_files_removed(tiny_model, tmp_path):

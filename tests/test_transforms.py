@@ -218,6 +218,20 @@ def test_preflight_skip_bad_files_keeps_the_good_ones(tmp_path):
     ]
 
 
+def test_commit_parts_are_whole_shards_of_at_least_the_given_rows():
+    from transforms.job import commit_parts
+    from transforms.preflight import FileProblem, Preflight, ShardFile
+
+    shards = [ShardFile(f"s{k}", n, (n,)) for k, n in enumerate([3, 1, 1, 5, 2])]
+    skipped = [FileProblem("bad", ErrorType.FILE_UNREADABLE, "not Parquet")]
+    parts = commit_parts(Preflight(shards[::-1], {}, skipped), rows_per_part=4)
+    assert [[s.path for s in p.shards] for p in parts] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert [p.skipped for p in parts] == [skipped, [], []]  # skipped files: once, in the first part
+    assert [[s.path for s in p.shards] for p in commit_parts(Preflight(shards, {}), 100)] == [["s0", "s1", "s2", "s3", "s4"]]
+    only_skipped = commit_parts(Preflight([], {}, skipped), 4)
+    assert len(only_skipped) == 1 and only_skipped[0].skipped == skipped
+
+
 def test_limit_rows_cuts_row_groups():
     from transforms.preflight import ShardFile, limit_rows
 

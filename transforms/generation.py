@@ -2,7 +2,8 @@
 
 The generator is built in `setup()` (never pickled into the job graph) and shared by every
 thread of the worker process through `apache_beam.utils.shared`, so a process holds one model
-copy; calls into it are serialised by a lock because the engine keeps per-call state.
+copy, also across the parts of a job that a local runner runs in turn; calls into it are
+serialised by a lock because the engine keeps per-call state.
 
 Each element is a list of PromptRows (one shard's with --batch-scope shard, any shards' with
 global): one engine call generates the whole list with continuous batching (`--batch-size`
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,9 @@ BATCH_REPORT_TAG = "batch_report"
 
 SPEC_FIELDS = ("drafted", "verified", "accepted", "rounds", "prefills", "emitted")
 
+# One loaded engine per worker process, whatever the number of DoFn copies (Beam keeps the
+# most recently acquired object alive between pipelines run in turn in one process).
+_PROCESS_ENGINES = shared.Shared()
 
 
 @dataclass(frozen=True)
@@ -165,13 +170,16 @@ class GenerateBatchDoFn(beam.DoFn):
         text_column: str,
         template: str,
         generator_factory: Callable[[EngineSpec], Any] = build_generator,
+        share_key: str | None = None,
     ):
         self.engine = engine
         self.decode = decode
         self.text_column = text_column
         self.template = template
         self.generator_factory = generator_factory
-        self._shared = shared.Shared()
+        # which loaded engine this DoFn may share: every copy of this DoFn in a process, and
+        # the parts of one job run in turn in one process (`share_key`), hold one model copy
+        self.share_key = share_key or uuid.uuid4().hex
         self.rows_ok = Metrics.counter("dspark", "rows_generated")
         self.rows_failed = Metrics.counter("dspark", "rows_failed_in_generation")
         self.output_tokens = Metrics.counter("dspark", "output_tokens")
@@ -195,7 +203,7 @@ class GenerateBatchDoFn(beam.DoFn):
             LOG.info("Loaded %s in %.1f s on %s in %s", self.engine, holder.load_s, holder.device, holder.dtype)
             return holder
 
-        self._holder = self._shared.acquire(load, tag=self.engine.key())
+        self._holder = _PROCESS_ENGINES.acquire(load, tag=(self.engine.key(), self.share_key))
 
     # --- steps -------------------------------------------------------------------------
     def _encode(self, rows: list[PromptRow]) -> tuple[list[Encoded], list[DeadLetter]]:

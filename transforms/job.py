@@ -27,7 +27,7 @@ from transforms.metrics import ShardMetricsFn, ok_event, shard_metrics_row
 from transforms.outputs import SPEC_COUNTS, ProgressHook, WriteShardOutputsDoFn, normalised, shard_identity, skipped_identity
 from transforms.preflight import Preflight
 from transforms.prompts import PromptSpec, to_prompt
-from transforms.read import ReadRowGroupDoFn, row_group_units
+from transforms.read import UNREAD_TAG, ReadRowGroupDoFn, row_group_units
 from transforms.records import DeadLetter, PromptRow
 
 
@@ -77,6 +77,24 @@ def unit_identities(pre: Preflight) -> dict[str, dict]:
     return units
 
 
+def commit_parts(pre: Preflight, rows_per_part: int) -> list[Preflight]:
+    """The input as parts of whole shards in path order, each of at least `rows_per_part` rows
+    (the last may hold fewer); files skipped as bad go with the first part. A local runner
+    runs the parts in turn, and a part's outputs are committed when it ends, so a crash loses
+    at most the part in progress and `--resume` redoes only that part's shards."""
+    parts: list[Preflight] = []
+    current: list = []
+    for shard in sorted(pre.shards, key=lambda s: s.path):
+        current.append(shard)
+        if sum(s.num_rows for s in current) >= rows_per_part:
+            parts.append(Preflight(current, pre.column_types))
+            current = []
+    if current or not parts:
+        parts.append(Preflight(current, pre.column_types))
+    parts[0].skipped = list(pre.skipped)
+    return parts
+
+
 def keyed(folder: str) -> Callable[[dict], tuple[str, tuple[str, dict]]]:
     """row -> (its input file, (folder, row)): what the per-file writer groups on."""
     return lambda row: (row["shard"], (folder, row))
@@ -123,12 +141,13 @@ class GenerateFromShards(beam.PTransform):
     """Apply to a pipeline (`p | GenerateFromShards(...)`); returns the written PCollections."""
 
     def __init__(self, preflight: Preflight, job: JobSpec, generator_factory=build_generator,
-                 on_progress: ProgressHook | None = None):
+                 on_progress: ProgressHook | None = None, share_key: str | None = None):
         super().__init__()
         self.pre = preflight
         self.job = job
         self.generator_factory = generator_factory
         self.on_progress = on_progress
+        self.share_key = share_key  # the same key in each part of one run: one model load per process
 
     def expand(self, pbegin):
         pre, job = self.pre, self.job
@@ -140,14 +159,15 @@ class GenerateFromShards(beam.PTransform):
             | "SpreadRowGroups" >> beam.Reshuffle()
             | "ReadRowGroups" >> beam.ParDo(
                 ReadRowGroupDoFn(columns, job.skip_bad_files, {s.path: s.row_group_rows for s in pre.shards})
-            ).with_outputs(DEAD_LETTER_TAG, main="rows")
+            ).with_outputs(DEAD_LETTER_TAG, UNREAD_TAG, main="rows")
         )
         valid = read.rows | "Validate" >> beam.ParDo(ValidateRowsDoFn(job.prompt)).with_outputs(DEAD_LETTER_TAG, main="prompts")
         generated = (
             valid.prompts
             | "Batch" >> batch_rows(job.batch_scope, job.rows_per_call)
             | "Generate" >> beam.ParDo(
-                GenerateBatchDoFn(job.engine, job.decode, job.prompt.text_column, job.prompt.template, self.generator_factory)
+                GenerateBatchDoFn(job.engine, job.decode, job.prompt.text_column, job.prompt.template, self.generator_factory,
+                                  self.share_key)
             ).with_outputs(DEAD_LETTER_TAG, BATCH_REPORT_TAG, main="records")
         )
 
@@ -165,6 +185,7 @@ class GenerateFromShards(beam.PTransform):
         events = (
             pbegin | "FooterRows" >> beam.Create([(s.path, ("file", s.num_rows)) for s in pre.shards]),
             read.rows | "ReadEvents" >> beam.Map(lambda r: (r.shard, ("read", r.values.get(id_column)))),
+            read[UNREAD_TAG] | "UnreadEvents" >> beam.MapTuple(lambda path, n: (path, ("unread", n))),
             generated.records | "OkEvents" >> beam.Map(lambda r: (r.shard, ("ok", ok_event(r)))),
             (
                 (read[DEAD_LETTER_TAG], valid[DEAD_LETTER_TAG], generated[DEAD_LETTER_TAG])

@@ -3,6 +3,8 @@
 Events (all keyed by the shard's path):
   ("file", n)            the launcher saw n rows in the shard's Parquet footer
   ("read", id)           the reader produced a row (counts records and duplicate ids)
+  ("unread", n)          a row group of n rows could not be read (--skip-bad-files): n records,
+                         all failed (the dead letter is one file-level entry for the group)
   ("ok", OkEvent)        a row was generated
   ("fail", error_type)   a row went to the dead letter
   ("batch", BatchReport) an engine call's wall time and resource use
@@ -62,6 +64,9 @@ class ShardAccumulator:
             if value is not None:
                 self.ids_seen += 1
                 self.ids.add(hashable_id(value))
+        elif kind == "unread":
+            self.records += int(value)
+            self.failed += int(value)
         elif kind == "ok":
             self.ok += 1
             self.output_tokens += value.num_output_tokens

@@ -22,6 +22,7 @@ from transforms.schema import ErrorType
 
 LOG = logging.getLogger(__name__)
 DEAD_LETTER_TAG = "dead_letter"
+UNREAD_TAG = "unread_rows"  # (path, rows) of a row group that could not be read
 
 
 def row_group_units(shards: list[ShardFile]) -> list[tuple[str, int]]:
@@ -63,33 +64,37 @@ def read_row_group(path: str, index: int, columns: list[str]) -> pa.Table:
 class ReadRowGroupDoFn(beam.DoFn):
     """(path, row group) -> InputRow for each row. A row group that fails to decode (a file
     corrupted after the launcher checked its footer) fails the job, naming the file, or with
-    `skip_bad_files` becomes one file-level dead letter that says how many rows it held."""
+    `skip_bad_files` becomes one file-level dead letter that names the row group and its row
+    count, and an UNREAD_TAG output (path, rows) so the shard's metrics count those rows as
+    records that failed."""
 
     def __init__(self, columns: list[str], skip_bad_files: bool, row_group_rows: dict[str, tuple[int, ...]]):
         self.columns = list(columns)
         self.skip_bad_files = skip_bad_files
-        self.row_group_rows = row_group_rows
+        self.row_group_rows = row_group_rows  # after --limit-per-shard: the rows the job means to read
         self.rows_read = Metrics.counter("dspark", "rows_read")
         self.bad_row_groups = Metrics.counter("dspark", "row_groups_unreadable")
+        self.rows_unread = Metrics.counter("dspark", "rows_unread")
 
     def process(self, unit: tuple[str, int]):
         path, index = unit
+        wanted = self.row_group_rows[path][index]
         try:
             table = read_row_group(path, index, self.columns)
         except Exception as exc:
-            expected = self.row_group_rows.get(path, ())[index] if index < len(self.row_group_rows.get(path, ())) else "?"
-            message = f"row group {index} ({expected} rows) could not be read: {type(exc).__name__}: {exc}"
+            message = f"row group {index} ({wanted} rows) could not be read: {type(exc).__name__}: {exc}"
             if not self.skip_bad_files:
                 raise RuntimeError(f"{path}: {message} (--skip-bad-files records it in dead_letter instead)") from exc
             LOG.error("%s: %s", path, message)
             self.bad_row_groups.inc()
+            self.rows_unread.inc(wanted)
             yield beam.pvalue.TaggedOutput(
                 DEAD_LETTER_TAG, DeadLetter(None, path, ErrorType.FILE_ROW_GROUP_UNREADABLE, message)
             )
+            yield beam.pvalue.TaggedOutput(UNREAD_TAG, (path, wanted))
             return
-        wanted = self.row_group_rows.get(path, ())
-        if index < len(wanted) and wanted[index] < table.num_rows:  # --limit-per-shard cut this group
-            table = table.slice(0, wanted[index])
+        if wanted < table.num_rows:  # --limit-per-shard cut this group
+            table = table.slice(0, wanted)
         for row in table_to_rows(table, path):
             self.rows_read.inc()
             yield row

@@ -9,13 +9,12 @@ from dspark.evaluation.core import (
     latency_summary,
     load_prompt_files,
     load_prompts,
-    output_record,
     quality_summary,
     run_benchmark,
     split_method,
     summarise,
-    write_outputs,
 )
+from dspark.evaluation.raw import RawWriter, output_record, read_measurement, read_runs
 
 __all__ = [
     "HF_METHODS",
@@ -26,10 +25,12 @@ __all__ = [
     "latency_summary",
     "load_prompt_files",
     "load_prompts",
+    "RawWriter",
     "output_record",
     "quality_summary",
+    "read_measurement",
+    "read_runs",
     "run_benchmark",
     "split_method",
     "summarise",
-    "write_outputs",
 ]

@@ -20,6 +20,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,13 +70,27 @@ class Output:
         return (self.latency_s - self.ttft_s) / (len(self.token_ids) - 1)
 
 
+def first_turn(row: dict) -> tuple[Any, Any]:
+    """(text, reference) of the turn a benchmark answers: the first. `turns` and `reference`
+    may be lists, one entry per turn (MT-bench and Spec-Bench files), or plain strings; a
+    `text` or `prompt` field stands for the first turn. A reference that is not text (null,
+    an empty list, a number) counts as none."""
+    turns = row.get("turns")
+    text = row.get("text") or row.get("prompt") or (turns[0] if isinstance(turns, list) and turns else turns)
+    reference = row.get("reference")
+    if isinstance(reference, list):
+        reference = reference[0] if reference else None
+    return text, reference if isinstance(reference, str) and reference.strip() else None
+
+
 def load_prompts(
     path: str | Path, limit: int | None = None, categories: Sequence[str] | None = None, split: str | None = None
 ) -> list[PromptRecord]:
-    """JSON Lines in the `turns` format (first turn is the user message; `category` or
-    `domain` optional) or Parquet with id/text (or prompt/turns) and category/domain columns.
-    split: keep only ids in that split of the drafter's training data (train, calib or eval;
-    `dspark.training.data.split_of`), before `limit`."""
+    """JSON Lines in the `turns` format (MT-bench style: a list of user turns, optionally a
+    `reference` per turn and `category` or `domain`) or Parquet with id/text (or prompt/turns)
+    and category/domain columns. The first turn is the prompt, and its reference the one scored
+    (`first_turn`). split: keep only ids in that split of the drafter's training data (train,
+    calib or eval; `dspark.training.data.split_of`), before `limit`."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(path)
@@ -96,15 +111,15 @@ def load_prompts(
                         raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
     out = []
     for n, row in enumerate(rows):
-        text = row.get("text") or row.get("prompt") or (row.get("turns") or [None])[0]
+        text, reference = first_turn(row)
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{path}: record {n} has no text/prompt/turns[0]")
         cat = row.get("category") or row.get("domain") or "all"
         if categories and cat not in categories:
             continue
-        if split is not None and split_of(str(row.get("id", n))) != split:
+        if split is not None and split_of(str(row.get("id", row.get("question_id", n)))) != split:
             continue
-        out.append(PromptRecord(str(row.get("id", n)), text, str(cat), row.get("reference")))
+        out.append(PromptRecord(str(row.get("id", row.get("question_id", n))), text, str(cat), reference))
         if limit and len(out) >= limit:
             break
     if not out:
@@ -255,6 +270,7 @@ def run_benchmark(
     make_generator: Callable[[str, int], DSparkGenerator],
     progress: Callable[[str], None] | None = None,
     *,
+    on_run: Callable[[Run], None] | None = None,
     sampling: SamplingParams | None = None,
     seed: int = 0,
     seed_index: int | None = None,
@@ -263,7 +279,8 @@ def run_benchmark(
 ) -> list[Run]:
     """Run every method at every batch size over the same prompts, interleaved per batch.
     With a sampling `sampling`, prompt i is seeded `seed + i` (engine: exactly, whatever the
-    batch; `hf`: its batch shares one torch seed, exact per prompt at batch size 1)."""
+    batch; `hf`: its batch shares one torch seed, exact per prompt at batch size 1).
+    `on_run(run)` is called as each run is complete, so its measurements can be saved then."""
     sampling = sampling or SamplingParams()
     encoded = [target.encode(p.text) for p in prompts]
     runs: list[Run] = []
@@ -306,7 +323,10 @@ def run_benchmark(
                 by_method[m].outputs.extend(outs)
                 if progress:
                     progress(m)
-        runs.extend(by_method.values())
+        for run in by_method.values():  # complete: every chunk of this batch size measured
+            if on_run:
+                on_run(run)
+            runs.append(run)
     return runs
 
 
@@ -435,30 +455,3 @@ def summarise(runs: list[Run], references: dict[str, str] | None = None) -> list
             row["by_category"][cat] = s
         rows.append(row)
     return rows
-
-
-def output_record(o: Output) -> dict:
-    return {
-        "method": o.method,
-        "batch_size": o.batch_size,
-        "scenario": o.scenario,
-        "phase": o.phase,
-        "seed": o.seed,
-        "seed_index": o.seed_index,
-        "prompt_id": o.prompt_id,
-        "category": o.category,
-        "text": o.text,
-        "token_ids": o.token_ids,
-        "num_output_tokens": len(o.token_ids),
-        "latency_s": o.latency_s,
-        "ttft_s": o.ttft_s,
-        "tpot_s": o.tpot_s,
-        "stats": o.stats.summary() if o.stats else None,
-    }
-
-
-def write_outputs(runs: list[Run], path: Path, mode: str = "w") -> None:
-    with Path(path).open(mode, encoding="utf-8") as f:
-        for run in runs:
-            for o in run.outputs:
-                f.write(json.dumps(output_record(o), ensure_ascii=False) + "\n")
