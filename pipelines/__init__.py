@@ -15,12 +15,17 @@ logging.getLogger().addFilter(_WithoutGcpClientsWarning())
 
 
 def run_main(main) -> int:
-    """Run an entry point's `main()`; a file the user named (or left at its default) that is
-    missing ends in one `error:` line and exit status 2 instead of a traceback."""
+    """Run an entry point's `main()`. What the user can fix ends in one `error:` line and exit
+    status 2 instead of a traceback: a missing file (named, or left at its default) and a
+    refused value (a bad method, drafter or scheduler name, a prompt file without prompts: the
+    library raises ValueError for these). DSPARK_TRACEBACK=1 shows the traceback instead."""
+    import os
     import sys
 
     try:
         return main() or 0
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
+        if os.environ.get("DSPARK_TRACEBACK"):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,8 @@ class Scenario:
 PRESETS: dict[str, tuple[tuple[str, ...], int, str]] = {
     "long": (("cnn_dailymail.jsonl",), 1024, "long reports: news summarisation (ROUGE-L vs references), up to 1024 new tokens"),
     "dialogue": (("samsum.jsonl", "instructions.jsonl"), 256, "dialogue turns: samsum and user instructions (BLEU vs references), up to 256 new tokens"),
+    "mixed": (("arena-hard-v2.jsonl", "humaneval.jsonl", "gsm8k.jsonl", "cnn_dailymail.jsonl", "samsum.jsonl"), 128,
+              "mixed load: chat, code, math, summarisation and dialogue, one file each (the load sweep's workload)"),
 }
 
 
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--sweep-batch-size", type=int, default=None, help="batch size of the threshold sweep (default 1)")
     w.add_argument("--load-batch-sizes", default=None, help="batch sizes of the load sweep, e.g. 1,2,4,8,16,32 (default: none)")
     w.add_argument("--load-methods", default=None, help=f"methods of the load sweep (default: {DEFAULT_LOAD_METHODS})")
+    w.add_argument("--load-drafters", default=None, help="drafters the load sweep runs each method without @DRAFTER with, "
+                   "e.g. ngram,auto (default: --default-drafter); ar runs once")
+    w.add_argument("--load-lengths", default=None, help="new tokens per prompt in the load sweep, e.g. 128,1024 "
+                   "(default: --sweep-max-new-tokens)")
     w.add_argument("--sweep-scenario", default=None, help="scenario whose prompt files the sweeps use (default: the last)")
     w.add_argument("--sweep-limit", type=int, default=None, help="prompts per file for the threshold sweep (default: --limit)")
     w.add_argument("--load-limit", type=int, default=None, help="prompts per file for the load sweep (default: enough to fill the largest batch)")
@@ -151,6 +157,8 @@ DEFAULTS = {
     "sweep_batch_size": 1,
     "load_batch_sizes": None,
     "load_methods": DEFAULT_LOAD_METHODS,
+    "load_drafters": None,
+    "load_lengths": None,
     "sweep_scenario": None,
     "sweep_limit": None,
     "load_limit": None,
@@ -184,7 +192,8 @@ def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--out is required (on the command line or in --config)")
     if args.prompts is None and not args.preset and not args.rebuild:
         parser.error("--prompts or --preset is required (on the command line or in --config)")
-    for key in ("methods", "batch_sizes", "preset", "thresholds", "load_batch_sizes", "load_methods", "sampling_methods", "soak_methods", "prompts"):
+    for key in ("methods", "batch_sizes", "preset", "thresholds", "load_batch_sizes", "load_methods", "load_drafters", "load_lengths",
+                "sampling_methods", "soak_methods", "prompts"):
         if isinstance(getattr(args, key), list):
             setattr(args, key, ",".join(str(x) for x in getattr(args, key)))
     for name in _csv(args.preset or ""):
@@ -206,6 +215,23 @@ def scenarios_from(args: argparse.Namespace) -> list[Scenario]:
         files = tuple(_csv(args.prompts))
         out.append(Scenario("+".join(Path(f).stem for f in files), files, args.max_new_tokens or 128))
     return out
+
+
+def load_sweep_methods(methods: list[str], drafters: list[str]) -> list[str]:
+    """Each method with each drafter ('fixed:4' x [ngram, auto] -> fixed:4@ngram, fixed:4@auto);
+    a method naming its drafter, or drafting nothing (ar), once."""
+    out: list[str] = []
+    for m in methods:
+        for d in drafters:
+            named = with_drafter(m, d)
+            if named not in out:
+                out.append(named)
+    return out
+
+
+def load_scenario(name: str, length: int) -> str:
+    """A load-sweep run's scenario: the prompts and the output length (one panel each)."""
+    return f"{name}, {length} tokens"
 
 
 def with_drafter(method: str, drafter: str) -> str:
@@ -272,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     thresholds = [float(t) for t in _csv(args.thresholds or "")]
     load_bs = [int(b) for b in _csv(args.load_batch_sizes or "")]
-    load_methods = [with_drafter(m, drafter) for m in _csv(args.load_methods)]
+    load_methods = load_sweep_methods(_csv(args.load_methods), _csv(args.load_drafters or drafter))
+    load_lengths = [int(n) for n in _csv(args.load_lengths or str(args.sweep_max_new_tokens))]
     soak_methods = [with_drafter(m, drafter) for m in _csv(args.soak_methods or f"dspark@{drafter}")]
     sweep_methods = [f"threshold:{t}@{drafter}" for t in thresholds]
     all_engine = {m for m in methods + sampling_methods + load_methods + soak_methods + sweep_methods if m not in ("hf", "hf-pld")}
@@ -309,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(_steps(len(prompts[sc.name]), methods, batch_sizes) for sc in scenarios)
     total += args.seeds * _steps(len(sample_prompts), sampling_methods, [sample_bs])
     total += _steps(len(sweep_prompts), sweep_methods, [args.sweep_batch_size])
-    total += _steps(len(load_prompts_), load_methods, load_bs)
+    total += len(load_lengths) * _steps(len(load_prompts_), load_methods, load_bs)
 
     # --- resources: the drafters' footprint, measured on their own --------------------------
     drafter_specs = sorted({split_method(m, drafter)[1] for m in all_engine} - {None, "none"})
@@ -349,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "thresholds": (f"{', '.join(map(str, thresholds))} with {drafter}, batch {args.sweep_batch_size}, "
                        f"{len(sweep_prompts)} prompts of {sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if thresholds else "off",
         "load_sweep": (f"batch {', '.join(map(str, load_bs))}; {', '.join(load_methods)}; {len(load_prompts_)} prompts of "
-                       f"{sweep_sc.name}, {args.sweep_max_new_tokens} new tokens") if load_bs else "off",
+                       f"{sweep_sc.name}, {' and '.join(map(str, load_lengths))} new tokens") if load_bs else "off",
         "soak": (f"{args.soak_minutes:g} min of {', '.join(soak_methods)} at batch {soak_bs} on {soak_sc.name}, "
                  f"{soak_mnt} new tokens") if args.soak_minutes > 0 else "off",
         "versions": _versions(),
@@ -395,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"phase {name} failed: {type(e).__name__}: {e}")
                 return []
 
-        for sc in scenarios:
+        for sc in scenarios if methods else []:  # `methods: []`: only the sweeps
             runs += phase(f"compare:{sc.name}", lambda sc=sc: run_benchmark(
                 target, prompts[sc.name], methods, batch_sizes, sc.max_new_tokens, make_generator, tick(sc.name), on_run=raw.add, scenario=sc.name))
         if args.seeds:
@@ -406,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             runs += phase("threshold_sweep", lambda: run_benchmark(
                 target, sweep_prompts, sweep_methods, [args.sweep_batch_size], args.sweep_max_new_tokens, make_generator,
                 tick("threshold sweep"), on_run=raw.add, scenario=sweep_sc.name, phase="threshold_sweep"))
-        if load_bs:
-            runs += phase("load_sweep", lambda: run_benchmark(
-                target, load_prompts_, load_methods, load_bs, args.sweep_max_new_tokens, make_generator,
-                tick("load sweep"), on_run=raw.add, scenario=sweep_sc.name, phase="load_sweep"))
+        for length in load_lengths if load_bs else []:
+            runs += phase(f"load_sweep:{length}", lambda length=length: run_benchmark(
+                target, load_prompts_, load_methods, load_bs, length, make_generator, tick(f"load sweep, {length} tokens"),
+                on_run=raw.add, scenario=load_scenario(sweep_sc.name, length), phase="load_sweep"))
         if args.soak_minutes > 0:
 
             def soak():
@@ -507,6 +534,8 @@ def print_summary(results: dict) -> None:
     from dspark.evaluation.report import md_table
 
     first = results["runs"]
+    if not first:  # only sweeps ran: their tables are in report.md
+        return
     f = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     rows = [[r["scenario"], r["method"], str(r["batch_size"]), f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_hf"], ".2f"),
              f(r.get("speedup_vs_ar"), ".2f"), f(r["identical_to_hf"], ".0%"), f(r["mean_accepted_length"], ".2f"), f(r["acceptance_rate"], ".0%"),

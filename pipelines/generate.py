@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -247,8 +246,7 @@ def probability(text: str) -> float:
     return value
 
 
-class ConfigError(ValueError):
-    pass
+from transforms.launch import ConfigError  # noqa: E402 - options and launch checks share it
 
 
 def config_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> tuple[list[str], dict]:
@@ -387,211 +385,30 @@ def job_spec(options: dict):
     )
 
 
-def check_job(options: dict, job) -> None:
-    """Checks that need no data: a malformed template or a kept column that is also an output
-    column fails here, before the files are even listed."""
-    from transforms.prompts import template_fields
-    from transforms.schema import GENERATION_COLUMNS, TRUNCATED_COLUMN
+def launch_from(options: dict, beam_flags: list[str]):
+    """The resolved options as a `transforms.launch.Launch`."""
+    from transforms.launch import Launch
 
-    try:
-        template_fields(job.prompt.template)
-    except ValueError as exc:
-        raise ConfigError(f"--prompt-template: {exc}") from exc
-    clashes = [c for c in job.prompt.keep_columns if c in GENERATION_COLUMNS or c == TRUNCATED_COLUMN]
-    if clashes:
-        raise ConfigError(f"--keep-columns {', '.join(clashes)}: these names are output columns already")
+    return Launch(job=job_spec(options), input=options["input"], runner=options["runner"], beam_flags=tuple(beam_flags),
+                  resume=bool(options["resume"]), limit_per_shard=options["limit_per_shard"],
+                  config={k: v for k, v in sorted(options.items())})
 
 
-def check_engine(job) -> None:
-    """The target, drafter and scheduler named by the options exist and parse, checked before
-    anything is written or deleted (no weights are read: the workers load the models)."""
-    from dspark.drafters import check_drafter_spec
-    from dspark.models import locate_model
-    from dspark.schedulers import make_scheduler
+def build_pipeline(options: dict, beam_flags: list[str]):
+    """(pipeline, preflight, job) for the resolved options, after the checks (nothing runs)."""
+    from transforms import launch as L
 
-    try:
-        _, target_name = locate_model(job.engine.target)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"--target: {exc}") from exc
-    for flag, check in (("--drafter", lambda: check_drafter_spec(job.engine.drafter, target_name)),
-                        ("--scheduler", lambda: make_scheduler(job.engine.scheduler))):
-        try:
-            check()
-        except (ValueError, FileNotFoundError) as exc:
-            raise ConfigError(f"{flag}: {exc}") from exc
-
-
-LOCAL_RUNNERS = ("DirectRunner", "direct", "PrismRunner", "prism", "InteractiveRunner")
-
-
-def check_remote_paths(runner: str, paths: dict[str, str]) -> None:
-    """A remote runner's workers cannot see this machine's files: refuse local paths up front."""
-    if runner in LOCAL_RUNNERS:
-        return
-    local = [f"{flag} {path}" for flag, path in paths.items() if "://" not in path]
-    if local:
-        raise ConfigError(
-            f"{runner} workers cannot read local paths ({'; '.join(local)}): put shards and the output on a "
-            "shared filesystem such as gs://bucket/..."
-        )
-
-
-def pipeline_options(options: dict, beam_flags: list[str]):
-    from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
-
-    flags = list(beam_flags)
-    if options["runner"] not in ("DirectRunner", "direct"):
-        flags.append(f"--runner={options['runner']}")
-    po = PipelineOptions(flags)
-    # Workers must import transforms/ and dspark/: ship the main session's imports by reference.
-    po.view_as(SetupOptions).save_main_session = False
-    return po
-
-
-def make_runner(options: dict):
-    """DirectRunner -> the FnApiRunner it would fall back to: Beam 2.77's DirectRunner first tries
-    Prism (downloads a Go binary, ignores --direct_running_mode); this job wants neither."""
-    if options["runner"] in ("DirectRunner", "direct"):
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
-        return FnApiRunner()
-    return None
-
-
-def check_run(options: dict):
-    """(job, preflight): the options and the input files checked; nothing loaded, nothing written.
-    Raises ConfigError / BadInputError."""
-    from transforms.preflight import check_inputs, limit_rows
-
-    job = job_spec(options)
-    check_job(options, job)
-    check_remote_paths(options["runner"], {"--input": options["input"], "--output": options["output"]})
-    pre = check_inputs(options["input"], job.prompt.required_columns(), skip_bad_files=job.skip_bad_files,
-                       text_column=job.prompt.text_column)
-    pre.shards = limit_rows(pre.shards, options["limit_per_shard"])
-    check_engine(job)
-    for problem in pre.skipped:
-        LOG.warning("Skipping %s", problem.message())
-    LOG.info("Input: %d shard(s), %d row(s)%s", len(pre.shards), pre.num_rows,
-             f"; {len(pre.skipped)} file(s) skipped" if pre.skipped else "")
-    return job, pre
-
-
-def without_files(pre, paths: set[str]):
-    """The preflight minus the input files in `paths` (those already complete, on --resume)."""
-    from transforms.preflight import Preflight
-
-    return Preflight(
-        shards=[s for s in pre.shards if s.path not in paths],
-        column_types=pre.column_types,
-        skipped=[f for f in pre.skipped if f.path not in paths],
-    )
-
-
-def build_pipeline(options: dict, beam_flags: list[str], generator_factory=None, on_progress=None, checked=None,
-                   complete: frozenset[str] = frozenset(), share_key: str | None = None):
-    """(pipeline, preflight, job): checks the input (unless `checked` = (job, preflight) already),
-    then builds the graph over the input files not in `complete` (nothing runs yet). Raises
-    BadInputError before any model is loaded anywhere."""
-    import apache_beam as beam
-
-    from transforms.generation import build_generator
-    from transforms.job import GenerateFromShards
-
-    job, pre = checked or check_run(options)
-    p = beam.Pipeline(runner=make_runner(options), options=pipeline_options(options, beam_flags))
-    _ = p | "DSpark" >> GenerateFromShards(without_files(pre, set(complete)), job, generator_factory or build_generator,
-                                           on_progress, share_key)
-    return p, pre, job
-
-
-def local_workers(beam_flags: list[str]) -> int:
-    """Worker processes (or threads) a local runner uses: --direct_num_workers, 0 = one per CPU."""
-    import os
-
-    from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
-
-    n = PipelineOptions(beam_flags).view_as(DirectOptions).direct_num_workers or 0
-    return n if n > 0 else (os.cpu_count() or 1)
-
-
-def run_parts(options: dict, beam_flags: list[str], job, pre, generator_factory, on_progress) -> dict[str, int]:
-    """Run the job over `pre` and return its Beam counters. A local runner runs it in parts of
-    whole shards, one pipeline after the other, each committing its shards' outputs when it
-    ends (a Beam batch pipeline writes nothing until its grouping step has every row), so a
-    crash in hour 3 keeps hours 1 and 2 for --resume. A part holds at least --rows-per-call rows
-    per worker, so engine calls stay full; the model is loaded once per process for all parts.
-    Remote runners take the whole job at once (their service retries failed work)."""
-    import uuid
-
-    from transforms.job import commit_parts
-    from transforms.summary import beam_counters
-
-    local = options["runner"] in LOCAL_RUNNERS
-    parts = commit_parts(pre, job.rows_per_call * local_workers(beam_flags)) if local else [pre]
-    share_key = uuid.uuid4().hex
-    counters: dict[str, int] = {}
-    LOG.info("Running on %s; writing %s%s", options["runner"], options["output"],
-             f" in {len(parts)} parts, each committed as it ends" if len(parts) > 1 else "")
-    for k, part in enumerate(parts, 1):
-        if len(parts) > 1:
-            LOG.info("Part %d of %d: %d shard(s), %d row(s)", k, len(parts), len(part.shards), part.num_rows)
-        p, _, _ = build_pipeline(options, beam_flags, generator_factory, on_progress, (job, part), share_key=share_key)
-        result = p.run()
-        result.wait_until_finish()
-        for name, value in beam_counters(result).items():
-            counters[name] = counters.get(name, 0) + value
-    return dict(sorted(counters.items()))
-
-
-def printable_config(options: dict) -> dict:
-    return {k: v for k, v in sorted(options.items())}
+    launch = launch_from(options, beam_flags)
+    pre = L.check_launch(launch)
+    return L.build_pipeline(launch, pre), pre, launch.job
 
 
 def run(argv: list[str] | None = None, generator_factory=None, on_progress=None) -> dict:
-    """Run the job to completion and return the run summary (also written to run_summary.json).
-    `on_progress(shard, stage)` is called as each input file's outputs are written (tests use it
-    to crash a job part-way)."""
-    from transforms.job import job_settings, unit_identities
-    from transforms.outputs import check_writable, prepare_output
-    from transforms.summary import build_summary, write_summary
+    """Run the job to completion and return the run summary (`transforms.launch.run`)."""
+    from transforms import launch as L
 
     options, beam_flags = resolve_options(list(sys.argv[1:] if argv is None else argv))
-    started = time.perf_counter()
-    job, pre = check_run(options)
-    check_writable(job.output)  # before anything is deleted or any model loads
-    plan = prepare_output(job.output, bool(options["resume"]), unit_identities(pre), job_settings(job))
-    for shard in plan.changed:
-        LOG.warning("Input file changed since its outputs were written; generating it again: %s", shard)
-    if options["resume"]:
-        LOG.info("Resuming: %d input file(s) already complete, %d to process%s", len(plan.complete), len(plan.todo),
-                 f"; keeping {len(plan.kept_other)} complete file(s) not in this input" if plan.kept_other else "")
-    counters: dict[str, int] = {}
-    if plan.todo:
-        counters = run_parts(options, beam_flags, job, without_files(pre, set(plan.complete)), generator_factory, on_progress)
-    wall_s = time.perf_counter() - started
-    skipped = [{"file": f.path, "error_type": f.error_type, "error": f.error} for f in pre.skipped]
-    resume = {"resumed": bool(options["resume"]), "files_already_complete": len(plan.complete),
-              "files_processed": len(plan.todo), "files_changed_since": plan.changed,
-              "complete_files_kept_from_other_inputs": len(plan.kept_other)}
-    summary = build_summary(options["output"], wall_s, printable_config(options) | {"beam_flags": beam_flags},
-                            counters, skipped, processed=set(plan.todo)) | {"resume": resume}
-    path = write_summary(options["output"], summary)
-    LOG.info("%s; summary: %s", end_of_run(summary["totals"]), path)
-    return summary
-
-
-def end_of_run(t: dict) -> str:
-    """The closing log line: what happened to the rows, then where this run's time went."""
-    rows = f"{t['num_records']} rows: {t['num_ok']} generated, {t['num_failed']} in dead_letter"
-    if not t["run_output_tokens"]:
-        return f"Done in {t['job_wall_s']:.1f} s, nothing to generate; {rows}"
-    spec = "" if t["mean_accepted_length"] is None else (
-        f", tau {t['mean_accepted_length']:.2f}"
-        + ("" if t["acceptance_rate"] is None else f", acceptance {t['acceptance_rate']:.0%}"))
-    return (f"Done in {t['job_wall_s']:.1f} s ({t['model_load_s']:.1f} s loading and warming up the model, "
-            f"{t['engine_wall_s']:.1f} s generating); {rows}; {t['run_output_tokens']} tokens at "
-            f"{t['engine_tokens_per_s']:.1f} tokens/s while generating{spec}")
+    return L.run(launch_from(options, beam_flags), generator_factory, on_progress)
 
 
 def configure_logging() -> None:

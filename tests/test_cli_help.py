@@ -1,14 +1,22 @@
 """Every command-line entry point explains itself: `--help` names the command as users run it
-(`python -m pipelines.NAME`) and says what every option does."""
+(`python -m pipelines.NAME`) and says what every option does; input it refuses ends in one
+`error:` line."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import io
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 ENTRY_POINTS = ("generate", "evaluate", "bench_pipeline", "train_drafter", "drafter_report")
 
@@ -41,3 +49,22 @@ def test_help_names_the_command_and_explains_every_option(name):
         if not match.group(2) and not re.match(r"^\s{8,}\S", follows):
             unexplained.append(match.group(1))
     assert not unexplained, f"options without help: {unexplained}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts", "missing.jsonl", "--out", "OUT"], "error: prompt file missing.jsonl not found"),
+    (["--prompts", "EMPTY", "--out", "OUT"], "no prompts selected"),
+    (["--prompts", "GOOD", "--out", "OUT", "--methods", "fixed:zero@ngram"], "error: "),
+])
+def test_the_tools_refuse_bad_input_in_one_error_line(tmp_path, argv, message):
+    """A missing or empty prompt file and a malformed method name end in one `error:` line and
+    exit status 2 before any model loads (the tools other than the job share `run_main`)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "good.jsonl").write_text('{"id": "a", "turns": ["hello"]}\n')
+    names = {"EMPTY": str(tmp_path / "empty.jsonl"), "GOOD": str(tmp_path / "good.jsonl"), "OUT": str(tmp_path / "out")}
+    argv = [names.get(a, a) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "pipelines.evaluate", *argv], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "outputs.jsonl").exists()

@@ -89,6 +89,7 @@ def report(tmp_path_factory, smol_tokenizer):
         "--batch-sizes", "1,2", "--max-new-tokens", str(N_NEW), "--target", str(tmp / "model"), "--dtype", "float32",
         "--temperature", "1.0", "--top-k", "50", "--seeds", "2", "--sampling-methods", "ar,dspark", "--sampling-limit", "2",
         "--thresholds", "0.5,0.7,0.9", "--sweep-limit", "1", "--load-batch-sizes", "1,4", "--load-methods", "ar,fixed:2,fixed:4,dspark",
+        "--load-drafters", f"{dm},ngram", "--load-lengths", "4,6",
         "--sweep-max-new-tokens", "6", "--soak-minutes", "0.02", "--sample-interval", "0.2",
     ]
     printed = io.StringIO()  # stdout as a log file sees it: not a terminal
@@ -102,9 +103,9 @@ def report(tmp_path_factory, smol_tokenizer):
             "stdout": printed.getvalue()}
 
 
-def _mine(outputs, phase, method, bs, seed_index=None):
+def _mine(outputs, phase, method, bs, seed_index=None, scenario=None):
     return [o for o in outputs if o["phase"] == phase and o["method"] == method and o["batch_size"] == bs
-            and o["seed_index"] == seed_index]
+            and o["seed_index"] == seed_index and scenario in (None, o["scenario"])]
 
 
 def test_summary_table_reaches_a_log_file_uncut(report):
@@ -221,22 +222,31 @@ def test_sweeps_match_outputs(report):
         assert row["tokens_per_s"] == pytest.approx(sum(o["num_output_tokens"] for o in mine) / row["wall_s"])
     load = res["load_sweep"]
     dm = report["dm"]
-    methods = ["ar", f"fixed:2@{dm}", f"fixed:4@{dm}", f"dspark@{dm}"]
-    assert {(r["method"], r["batch_size"]) for r in load["rows"]} == {(m, b) for m in methods for b in (1, 4)}
+    # each method with each drafter (ar once), at each output length: one scenario per length
+    methods = ["ar"] + [f"{m}@{d}" for m in ("fixed:2", "fixed:4", "dspark") for d in (dm, "ngram")]
+    scenarios = ["summ+dlg, 4 tokens", "summ+dlg, 6 tokens"]
+    assert {(r["scenario"], r["method"], r["batch_size"]) for r in load["rows"]} == {
+        (sc, m, b) for sc in scenarios for m in methods for b in (1, 4)}
     for row in load["rows"]:
-        mine = _mine(outputs, "load_sweep", row["method"], row["batch_size"])
+        mine = _mine(outputs, "load_sweep", row["method"], row["batch_size"], scenario=row["scenario"])
         assert len(mine) == 4  # enough prompts to fill the largest batch (2 per file)
+        assert max(o["num_output_tokens"] for o in mine) <= int(row["scenario"].split(", ")[1].split()[0])
         rounds = sum(o["stats"]["rounds"] for o in mine)
         assert row["mean_verify_budget"] == pytest.approx(sum(o["stats"]["verified"] for o in mine) / rounds)
         if row["method"] == "ar":
             assert row["mean_verify_budget"] == 0
         tpot = [(o["latency_s"] - o["ttft_s"]) / (o["num_output_tokens"] - 1) for o in mine if o["num_output_tokens"] > 1]
         assert row["mean_tpot_s"] == pytest.approx(np.mean(tpot))  # decode-only view of the sweep
+    assert len(load["checks"]) == 2 * 2 * 2  # scenario x batch size x drafter
     for check in load["checks"]:
-        at = {r["method"]: r["tokens_per_s"] for r in load["rows"] if r["batch_size"] == check["batch_size"]}
-        best = max(at[f"fixed:2@{dm}"], at[f"fixed:4@{dm}"])
-        assert check["vs_best_fixed"] == pytest.approx(at[f"dspark@{dm}"] / best)
-        assert check["at_or_above_every_fixed"] == (at[f"dspark@{dm}"] >= best)
+        at = {r["method"]: r["tokens_per_s"] for r in load["rows"]
+              if r["batch_size"] == check["batch_size"] and r["scenario"] == check["scenario"]}
+        d = check["method"].partition("@")[2]
+        best = max(at[f"fixed:2@{d}"], at[f"fixed:4@{d}"])  # fixed K of the same drafter only
+        assert check["vs_best_fixed"] == pytest.approx(at[check["method"]] / best)
+        assert check["vs_ar"] == pytest.approx(at[check["method"]] / at["ar"])
+        assert check["vs_best_of_ar_and_fixed"] == pytest.approx(at[check["method"]] / max(best, at["ar"]))
+        assert check["at_or_above_every_fixed"] == (at[check["method"]] >= best)
 
 
 def test_resources_and_soak(report):
@@ -252,7 +262,7 @@ def test_resources_and_soak(report):
     model = report["target"].model  # the draft model is a second copy of the target: its full size is extra
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # untied: no sharing
     assert r["drafters"][0]["tensor_bytes"] == own == r["target_tensor_bytes"]
-    assert [p["name"] for p in r["phases"]] == ["compare:summ+dlg", "sampling", "threshold_sweep", "load_sweep", "soak"]
+    assert [p["name"] for p in r["phases"]] == ["compare:summ+dlg", "sampling", "threshold_sweep", "load_sweep:4", "load_sweep:6", "soak"]
     soak = res["soak"]
     assert soak["errors"] == 0 and soak["changed_outputs"] == 0 and soak["iterations"] >= 1
     assert soak["requests"] == 6 * soak["iterations"]  # one method, 6 prompts per pass

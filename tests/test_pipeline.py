@@ -224,13 +224,13 @@ def test_multi_processing_workers_crash_resume_and_global_batches_give_the_same_
 def test_pipeline_constructs_for_dataflow_without_submitting(monkeypatch):
     """Option parsing and graph construction with Dataflow options (nothing is submitted)."""
     from apache_beam.options.pipeline_options import GoogleCloudOptions, WorkerOptions
-    from transforms import preflight
+    from transforms import launch, preflight
 
     fake = preflight.Preflight(
         shards=[preflight.ShardFile("gs://bucket/in/s-0.parquet", 10, (10,))],
         column_types={"id": pa.string(), "text": pa.string()},
     )
-    monkeypatch.setattr(preflight, "check_inputs", lambda *a, **k: fake)
+    monkeypatch.setattr(launch, "check_inputs", lambda *a, **k: fake)
     options, flags = cli.resolve_options([
         "--input", "gs://bucket/in/*.parquet", "--output", "gs://bucket/out", "--runner", "DataflowRunner",
         "--project", "demo-project", "--region", "us-central1", "--temp_location", "gs://bucket/tmp",

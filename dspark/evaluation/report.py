@@ -158,18 +158,13 @@ def _category_rows(runs: list[dict]) -> list[dict]:
     return out
 
 
-def render_markdown(results: dict, plots: dict[str, str]) -> str:
-    s = results["settings"]
-    parts = [f"# DSpark evaluation report: {s.get('target')} on {s.get('device')}", header_section(s)]
-    if results.get("failures"):
-        parts += ["## Failed phases", "These phases stopped with an error; the sections below lack their results.",
-                  "\n".join(f"- {f['phase']}: `{f['error']}`" for f in results["failures"])]
+def compare_sections(runs: list[dict], plots: dict[str, str]) -> list[str]:
+    """Results, By category and Latency: the comparison phase (absent when it did not run)."""
+    parts: list[str] = []
 
     def img(key: str, alt: str) -> None:
         if key in plots:
             parts.append(f"![{alt}]({plots[key]})")
-
-    runs = results.get("runs") or []
     parts += ["## Results", "Greedy decoding; every method on the same prompts, interleaved batch by batch. "
               "`vs hf` = tokens/s over transformers `generate` at the same batch size; `same as hf` = outputs "
               "token-identical to it; quality columns compare texts with the `hf` outputs and with the prompt "
@@ -186,6 +181,23 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
               "TPOT = time per output token after the first. `hf` rows in a padded batch finish when their "
               "last token is produced.", _table(runs, RESULTS_COLUMNS[:3] + LATENCY_COLUMNS)]
     img("latency", "latency distributions")
+    return parts
+
+
+def render_markdown(results: dict, plots: dict[str, str]) -> str:
+    s = results["settings"]
+    parts = [f"# DSpark evaluation report: {s.get('target')} on {s.get('device')}", header_section(s)]
+    if results.get("failures"):
+        parts += ["## Failed phases", "These phases stopped with an error; the sections below lack their results.",
+                  "\n".join(f"- {f['phase']}: `{f['error']}`" for f in results["failures"])]
+
+    def img(key: str, alt: str) -> None:
+        if key in plots:
+            parts.append(f"![{alt}]({plots[key]})")
+
+    runs = results.get("runs") or []
+    if runs:
+        parts += compare_sections(runs, plots)
 
     sampling = results.get("sampling")
     if sampling and sampling.get("methods"):
@@ -203,12 +215,17 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
                   "(paper Figure 8: the budget should fall with load and `dspark` stay at or above every fixed K). "
                   "Tokens/s includes prefill, which dominates when prompts are long and outputs short; TPOT "
                   "(mean time per output token after the first) is the decode-only view.",
-                  _table(load["rows"], [("method", "method", None), ("batch", "batch_size", "d")] + SWEEP_COLUMNS)]
+                  _table(load["rows"], [("scenario", "scenario", None), ("method", "method", None), ("batch", "batch_size", "d")]
+                         + SWEEP_COLUMNS)]
         if load.get("checks"):
-            parts += ["### dspark vs fixed K", _table(load["checks"], [
-                ("batch", "batch_size", "d"), ("method", "method", None), ("best fixed", "best_fixed", None),
-                ("vs best fixed", "vs_best_fixed", ".3f"), ("vs ar", "vs_ar", ".3f"),
-                ("at or above every fixed K", "at_or_above_every_fixed", "b")])]
+            parts += ["### dspark vs fixed K and plain decoding",
+                      "Per output length, drafter and batch size: `dspark` over the best fixed K of the same drafter, "
+                      "over `ar`, and over the fastest of both (never slower means at least about 1).",
+                      _table(load["checks"], [
+                          ("scenario", "scenario", None), ("batch", "batch_size", "d"), ("method", "method", None),
+                          ("best fixed", "best_fixed", None), ("vs best fixed", "vs_best_fixed", ".3f"), ("vs ar", "vs_ar", ".3f"),
+                          ("vs best of ar and fixed", "vs_best_of_ar_and_fixed", ".3f"),
+                          ("at or above every fixed K", "at_or_above_every_fixed", "b")])]
         img("load_sweep", "load sweep")
 
     parts += ["## Plan targets", "The evaluation plan's monitoring targets: correction rate < 15 % per method "
@@ -352,6 +369,47 @@ def _grouped_bars(ax, rows: list[dict], key: str, title: str, ylabel: str) -> No
     ax.set_title(title, fontsize=9)
 
 
+def load_sweep_figure(rows: list[dict]):
+    """Tokens/s against batch size, one line per method; one panel per output length (rows)
+    and drafter (columns), `ar` drawn in every panel as the plain-decoding baseline. A bottom
+    row of panels shows the mean verify budget (the paper's Figure 8: it should fall with load)."""
+    from dspark.evaluation.analysis import drafter_of
+
+    def short(drafter: str | None) -> str:  # draft-model:/long/path/model -> draft-model:model
+        return str(drafter).rstrip("/").rsplit("/", 1)[-1] if drafter and "/" in drafter else str(drafter)
+
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    drafters = list(dict.fromkeys(d for r in rows if (d := drafter_of(r["method"])) is not None)) or [None]
+    fig, axes = plt.subplots(len(scenarios) + 1, len(drafters), figsize=(5.5 * len(drafters), 3.6 * (len(scenarios) + 1)),
+                             squeeze=False)
+    for j, drafter in enumerate(drafters):
+        for i, scenario in enumerate(scenarios):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["scenario"] == scenario and drafter_of(r["method"]) in (None, drafter)]
+            for m in dict.fromkeys(r["method"] for r in mine):
+                rs = sorted((r for r in mine if r["method"] == m), key=lambda r: r["batch_size"])
+                style = "k--" if m == "ar" else ("o-" if m.startswith("dspark") else ".-")
+                ax.plot([r["batch_size"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=m.partition("@")[0],
+                        linewidth=2.2 if m.startswith("dspark") else 1.2)
+            ax.set_title(f"{scenario}, drafter {short(drafter)}", fontsize=9)
+            ax.set_ylabel("output tokens per second", fontsize=8)
+        ax = axes[-1][j]
+        for scenario in scenarios:
+            rs = sorted((r for r in rows if r["scenario"] == scenario and r["method"].startswith("dspark")
+                         and drafter_of(r["method"]) == drafter), key=lambda r: r["batch_size"])
+            ax.plot([r["batch_size"] for r in rs], [r["mean_verify_budget"] for r in rs], "o-", label=f"dspark, {scenario}")
+        ax.set_title(f"dspark's mean verify budget, drafter {short(drafter)}", fontsize=9)
+        ax.set_ylabel("draft tokens per row and round", fontsize=8)
+    for ax in [a for row in axes for a in row]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        ax.set_xlabel("batch size (rows decoding together)", fontsize=8)
+    for row in axes:
+        _legend_outside(row[-1])
+    return fig
+
+
 def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, str]:
     out_dir = Path(out_dir)
     plots: dict[str, str] = {}
@@ -415,22 +473,7 @@ def plot_all(results: dict, outputs: list[Output], out_dir: Path) -> dict[str, s
 
     load = results.get("load_sweep")
     if load and load.get("rows"):
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-        for m in dict.fromkeys(r["method"] for r in load["rows"]):
-            rs = sorted((r for r in load["rows"] if r["method"] == m), key=lambda r: r["batch_size"])
-            b = [r["batch_size"] for r in rs]
-            axes[0].plot(b, [r["tokens_per_s"] for r in rs], "o-", label=m)
-            axes[1].plot(b, [1000 * r["mean_tpot_s"] if r.get("mean_tpot_s") is not None else math.nan for r in rs], "o-", label=m)
-            axes[2].plot(b, [r["mean_verify_budget"] for r in rs], "o-", label=m)
-        titles = ("tokens/s (with prefill)", "decode time per output token (TPOT, mean)", "mean verify budget")
-        ylabels = ("output tokens per second", "milliseconds", "draft tokens per row and round")
-        for ax, title, ylabel in zip(axes, titles, ylabels):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("batch size")
-            ax.set_ylabel(ylabel, fontsize=8)
-            ax.set_title(title, fontsize=9)
-        _legend_outside(axes[-1])
-        plots["load_sweep"] = _save(fig, out_dir, "load_sweep")
+        plots["load_sweep"] = _save(load_sweep_figure(load["rows"]), out_dir, "load_sweep")
 
     samples = (results.get("resources") or {}).get("rss_samples")
     if samples:
