@@ -44,6 +44,36 @@ def device_name(device: torch.device | str | None = None) -> str:
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
+def fragmentation(reserved: int | None, allocated: int | None) -> float | None:
+    """(reserved - allocated) / reserved: allocator memory held but not in use."""
+    if not reserved or allocated is None:
+        return None
+    return (reserved - allocated) / reserved
+
+
+def reset_cuda_peaks(device: torch.device | str | None) -> None:
+    """Start the allocator's peak readings afresh (no-op off CUDA)."""
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def cuda_memory(device: torch.device | str) -> dict | None:
+    """Current and peak allocated/reserved bytes and fragmentation; None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    alloc, res = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    peak_alloc, peak_res = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return {
+        "allocated_bytes": alloc,
+        "reserved_bytes": res,
+        "peak_allocated_bytes": peak_alloc,
+        "peak_reserved_bytes": peak_res,
+        "fragmentation": fragmentation(res, alloc),
+        "peak_fragmentation": fragmentation(peak_res, peak_alloc),
+    }
+
+
 class UtilizationProbe:
     """Instantaneous utilisation in [0, 1]: GPU busy fraction from NVML when the engine runs on
     CUDA, else this process's CPU time over wall time since the previous reading, per core

@@ -17,6 +17,7 @@ Invariants (tested against a recount from the verified trees):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,6 +73,15 @@ def speculation_rates(*, verified: int, accepted: int, rounds: int, emitted: int
         "correction_rate": ratio(verified - accepted, verified),
         "mean_verify_budget": ratio(verified, rounds),
     }
+
+
+def entropy_bits(confidences: Sequence[float]) -> float:
+    """Summed binary entropy (bits) of confidences; divided by their count it is the mean the
+    evaluation plan watches (near 1: the confidence head cannot tell good drafts from bad)."""
+    if len(confidences) == 0:
+        return 0.0
+    c = np.clip(np.asarray(confidences, dtype=np.float64), 1e-9, 1 - 1e-9)
+    return float(np.sum(-(c * np.log2(c) + (1 - c) * np.log2(1 - c))))
 
 
 @dataclass
@@ -133,8 +143,7 @@ class RequestStats:
         cannot tell good drafts from bad ones, near 0 means it is decisive."""
         if not self.confidences:
             return float("nan")
-        c = np.clip(np.asarray(self.confidences, dtype=np.float64), 1e-9, 1 - 1e-9)
-        return float(np.mean(-(c * np.log2(c) + (1 - c) * np.log2(1 - c))))
+        return entropy_bits(self.confidences) / len(self.confidences)
 
     def record_prefill(self) -> None:
         """The prompt's forward, which yields the first output token."""

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--load-methods", default=None, help=f"methods of the load sweep (default: {DEFAULT_LOAD_METHODS})")
     w.add_argument("--load-drafters", default=None, help="drafters the load sweep runs each method without @DRAFTER with, "
                    "e.g. ngram,auto (default: --default-drafter); ar runs once")
+    w.add_argument("--load-repeats", type=int, default=None, help="pass over the load sweep's prompts this many times "
+                   "(more interleaved batches per method: tighter ratios on a noisy machine; default 1)")
     w.add_argument("--load-lengths", default=None, help="new tokens per prompt in the load sweep, e.g. 128,1024 "
                    "(default: --sweep-max-new-tokens)")
     w.add_argument("--sweep-scenario", default=None, help="scenario whose prompt files the sweeps use (default: the last)")
@@ -159,6 +161,7 @@ DEFAULTS = {
     "load_methods": DEFAULT_LOAD_METHODS,
     "load_drafters": None,
     "load_lengths": None,
+    "load_repeats": 1,
     "sweep_scenario": None,
     "sweep_limit": None,
     "load_limit": None,
@@ -227,6 +230,13 @@ def load_sweep_methods(methods: list[str], drafters: list[str]) -> list[str]:
             if named not in out:
                 out.append(named)
     return out
+
+
+def repeated(prompts: list, times: int) -> list:
+    """The prompts `times` over, later passes with ids suffixed `~2`, `~3` ... (ids stay unique)."""
+    from dataclasses import replace
+
+    return list(prompts) + [replace(p, id=f"{p.id}~{r}") for r in range(2, max(1, times) + 1) for p in prompts]
 
 
 def load_scenario(name: str, length: int) -> str:
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     sample_prompts = load_prompt_files(sample_sc.prompts, args.sampling_limit or args.limit, categories, args.split) if args.seeds else []
     sweep_prompts = load_prompt_files(sweep_sc.prompts, args.sweep_limit or args.limit, categories, args.split) if thresholds else []
     load_limit = args.load_limit or (-(-max(load_bs) // len(sweep_sc.prompts)) if load_bs else None)
-    load_prompts_ = load_prompt_files(sweep_sc.prompts, load_limit, categories, args.split) if load_bs else []
+    load_prompts_ = repeated(load_prompt_files(sweep_sc.prompts, load_limit, categories, args.split), args.load_repeats) if load_bs else []
     sample_bs = args.sampling_batch_size or batch_sizes[0]
     sample_mnt = args.sampling_max_new_tokens or sample_sc.max_new_tokens
     soak_bs = args.soak_batch_size or max(batch_sizes)

@@ -55,6 +55,10 @@ DEFAULTS: dict[str, Any] = {
     "trust_remote_code": False,
     "progress": None,  # None: on when stderr is a terminal
     "verbose": False,
+    "fail_on_health": False,
+    "health_max_correction_rate": 0.15,
+    "health_max_confidence_entropy": 0.8,
+    "health_max_gpu_fragmentation": 0.05,
     "runner": "DirectRunner",
     "beam_options": {},
 }
@@ -78,14 +82,17 @@ outputs (under --output DIR; one file per input shard in each folder, named afte
   shard_metrics/*.parquet       one row per input shard: shard, num_records, num_ok, num_failed,
                                 num_duplicate_ids, output_tokens, wall_s (engine time on the shard),
                                 tokens_per_s, mean_accepted_length, acceptance_rate, correction_rate,
-                                mean_verify_budget, p50_latency_s, p99_latency_s, device,
+                                mean_verify_budget, confidence_entropy, acceptance_by_position,
+                                p50_latency_s, p99_latency_s, device,
                                 dtype (the target's, auto resolved), gpu_util_mean,
-                                gpu_mem_peak_bytes (null without a GPU),
+                                gpu_mem_peak_bytes, gpu_mem_fragmentation_peak (null without a GPU),
                                 cpu_util_mean, rss_peak_bytes
   dead_letter/*.parquet         one row per input row that could not be generated (and per skipped
                                 file): id, shard, error_type, error
   _complete/*.json              a marker per input file, written once all its outputs are in place
-  run_summary.json              totals, the resolved configuration, package versions, Beam counters
+  report.md, report_*.png       the run at a glance: health, a table of shards, plots
+  run_summary.json              totals, health checks, the resolved configuration, package versions,
+                                Beam counters
   Every input row appears exactly once in generations or dead_letter. A rerun into the same DIR
   first deletes all previous outputs; with --resume it keeps the input files that have a marker
   (same settings; the same file: row counts, size, modification time, footer hash), deletes every
@@ -204,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--progress", action=argparse.BooleanOptionalAction,
                      help="show a progress bar per engine call (default: when stderr is a terminal)")
 
+    health = p.add_argument_group("health (the evaluation plan's signals; run_summary.json's health block)")
+    health.add_argument("--fail-on-health", dest="fail_on_health", action=argparse.BooleanOptionalAction,
+                        help="exit with status 3 when a shard or the run breaches a threshold below (default: warn only)")
+    health.add_argument("--health-max-correction-rate", dest="health_max_correction_rate", type=probability_or_zero,
+                        metavar="RATE", help="rejected / verified draft tokens (default: 0.15)")
+    health.add_argument("--health-max-confidence-entropy", dest="health_max_confidence_entropy", type=non_negative_float,
+                        metavar="BITS", help="mean binary entropy of verified confidences; near 1 = uncalibrated (default: 0.8)")
+    health.add_argument("--health-max-gpu-fragmentation", dest="health_max_gpu_fragmentation", type=probability_or_zero,
+                        metavar="SHARE", help="(reserved - allocated) / reserved GPU memory at the peak (default: 0.05)")
+
     run = p.add_argument_group("runner")
     run.add_argument("--runner", metavar="NAME", help="DirectRunner (default), DataflowRunner, PrismRunner, ...")
     run.add_argument("--verbose", action=argparse.BooleanOptionalAction,
@@ -236,6 +253,13 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def probability_or_zero(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
 
 
@@ -389,9 +413,14 @@ def launch_from(options: dict, beam_flags: list[str]):
     """The resolved options as a `transforms.launch.Launch`."""
     from transforms.launch import Launch
 
+    from transforms.health import HealthThresholds
+
+    health = HealthThresholds(max_correction_rate=float(options["health_max_correction_rate"]),
+                              max_confidence_entropy=float(options["health_max_confidence_entropy"]),
+                              max_gpu_mem_fragmentation=float(options["health_max_gpu_fragmentation"]))
     return Launch(job=job_spec(options), input=options["input"], runner=options["runner"], beam_flags=tuple(beam_flags),
-                  resume=bool(options["resume"]), limit_per_shard=options["limit_per_shard"],
-                  config={k: v for k, v in sorted(options.items())})
+                  resume=bool(options["resume"]), limit_per_shard=options["limit_per_shard"], health=health,
+                  fail_on_health=bool(options["fail_on_health"]), config={k: v for k, v in sorted(options.items())})
 
 
 def build_pipeline(options: dict, beam_flags: list[str]):
@@ -418,6 +447,7 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transforms.launch import HealthError
     from transforms.outputs import OutputError, ResumeError
     from transforms.preflight import BadInputError  # imports Beam before logging is configured: less noise
 
@@ -430,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInputError, ConfigError, ResumeError, OutputError) as exc:  # the user's to fix: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except HealthError as exc:  # --fail-on-health: the outputs are complete, a signal breached its threshold
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     except Exception as exc:  # a failure during the run (a worker's error comes back here)
         if verbose:
             raise

@@ -19,7 +19,8 @@ from dspark.evaluation import PromptRecord, hf_generate, load_prompt_files, run_
 from dspark.evaluation.quality import intervals_overlap, linear_slope, permutation_p_value, rouge_l
 from dspark.evaluation.core import first_divergence
 from dspark.evaluation.report import divergence_text, parse_md_table
-from dspark.evaluation.resources import SoakSample, fragmentation, measure_drafter, run_soak, soak_slopes, tensor_bytes
+from dspark.evaluation.resources import SoakSample, measure_drafter, run_soak, soak_slopes, tensor_bytes
+from dspark.hardware import fragmentation
 from dspark.generator import DSparkGenerator
 from dspark.models import wrap_model
 from dspark.sampling import SamplingParams

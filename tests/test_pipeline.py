@@ -30,7 +30,8 @@ from pipeline_support import (  # noqa: E402
     TINY_NAME,
 )
 
-from pipelines import generate as cli  # noqa: E402
+from pipelines import generate as cli
+from transforms import outputs as O  # noqa: E402
 from transforms.schema import DEAD_LETTER_COLUMNS, GENERATION_COLUMNS, SHARD_METRIC_COLUMNS, ErrorType  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +159,82 @@ def test_shard_metrics_match_generations(main_job):
     assert 0 < totals["engine_wall_s"] == pytest.approx(sum(m["wall_s"] for m in metrics.values()))
     assert totals["engine_tokens_per_s"] == pytest.approx(totals["output_tokens"] / totals["engine_wall_s"])
     assert totals["tokens_per_s"] == pytest.approx(totals["output_tokens"] / totals["job_wall_s"])
+
+
+def test_health_signals_recomputed_from_each_shards_counters(main_job):
+    """confidence_entropy and acceptance_by_position per shard and for the run follow from the
+    summed counters each shard's completion marker holds; the health block lists exactly the
+    shards whose signals exceed the thresholds."""
+    from transforms.health import HealthThresholds
+
+    out = main_job["out"]
+    metrics = {m["shard"]: m for m in read_folder(out, "shard_metrics")}
+    markers = {m.shard: m.spec for m in O.read_markers(str(out))}
+    assert any(spec["confidences"] for spec in markers.values())  # some ngram drafts were verified
+    for shard, m in metrics.items():
+        spec = markers[shard]
+        if spec["confidences"]:
+            assert m["confidence_entropy"] == pytest.approx(spec["entropy_bits"] / spec["confidences"])
+            assert 0 < m["confidence_entropy"] <= 1
+        else:  # no draft verified in this shard: no signal, and nothing to check
+            assert m["confidence_entropy"] is None and spec["verified"] == 0
+        assert m["acceptance_by_position"] == pytest.approx(
+            [a / n if n else None for a, n in zip(spec["position_accepts"], spec["position_attempts"])])
+        assert len(m["acceptance_by_position"]) == len(spec["position_attempts"]) and sum(spec["position_attempts"]) <= spec["verified"]
+        assert m["gpu_mem_fragmentation_peak"] is None or 0 <= m["gpu_mem_fragmentation_peak"] <= 1
+    summary = read_summary(out)
+    totals = summary["totals"]
+    assert totals["confidence_entropy"] == pytest.approx(
+        sum(s["entropy_bits"] for s in markers.values()) / sum(s["confidences"] for s in markers.values()))
+    health, limits = summary["health"], HealthThresholds()
+    assert health["thresholds"] == {"max_correction_rate": limits.max_correction_rate,
+                                    "max_confidence_entropy": limits.max_confidence_entropy,
+                                    "max_gpu_mem_fragmentation": limits.max_gpu_mem_fragmentation}
+    expected = [(shard, "correction_rate") for shard, m in metrics.items()
+                if m["correction_rate"] is not None and m["correction_rate"] > limits.max_correction_rate]
+    expected += [(shard, "confidence_entropy") for shard, m in metrics.items()
+                 if m["confidence_entropy"] is not None and m["confidence_entropy"] > limits.max_confidence_entropy]
+    assert sorted((b["shard"], b["signal"]) for b in health["shards"]) == sorted(expected)
+    assert health["ok"] == (not expected and not health["run"])
+
+
+def test_run_report_shows_every_shard_health_and_plots(main_job):
+    """OUT/report.md: the closing line, the health status, one table row per shard (the numbers
+    of shard_metrics) and the two plots, written beside run_summary.json."""
+    out = main_job["out"]
+    report = (out / "report.md").read_text()
+    summary = read_summary(out)
+    assert report.startswith("# DSpark run report\n\nDone in ")
+    assert ("**Health**: healthy" in report) == summary["health"]["ok"]
+    for m in read_folder(out, "shard_metrics"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| `{Path(m['shard']).name}` |"))
+        assert row.split(" | ")[1:4] == [str(m["num_records"]), str(m["num_ok"]), str(m["num_failed"])]
+        assert f"{m['tokens_per_s']:.1f}" in row
+    for png in ("report_shards.png", "report_acceptance_by_position.png"):
+        assert f"]({png})" in report and (out / png).read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.fixture
+def root_logging():
+    """cli.main configures logging onto this test's captured stderr: put the handlers back after."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_fail_on_health_exits_3_after_writing_everything(main_job, tmp_path, capsys, root_logging):
+    out = tmp_path / "out"
+    args = main_job["args"][: main_job["args"].index("--output")] + ["--output", str(out)] + main_job["args"][main_job["args"].index("--output") + 2:]
+    assert cli.main(args + ["--health-max-confidence-entropy", "0"]) == 0  # warns only
+    assert cli.main(args + ["--health-max-confidence-entropy", "0", "--fail-on-health"]) == 3
+    err = capsys.readouterr().err
+    assert "error: Health: " in err and "confidence_entropy" in err and "--fail-on-health" in err
+    summary = read_summary(out)
+    assert not summary["health"]["ok"] and summary["totals"]["num_records"] == main_job["summary"]["totals"]["num_records"]
 
 
 def test_outputs_equal_the_engines_greedy_outputs(main_job, tiny_model):

@@ -349,3 +349,37 @@ def test_preflight_an_odd_first_file_does_not_decide_the_schema(tmp_path):
     skipped = {Path(p.path).name: p.error for p in pre.skipped}
     assert set(skipped) == {"a-null.parquet", "b-int-ids.parquet"}
     assert "text: null (but string" in skipped["a-null.parquet"] and "id: int64 (but string" in skipped["b-int-ids.parquet"]
+
+
+def test_spec_stats_carry_the_health_signals_and_add_up():
+    from dspark.metrics import RequestStats
+
+    engine = RequestStats(drafted=5, verified=4, accepted=2, rounds=3, prefills=1, emitted=6,
+                          position_attempts=[3, 2, 1], position_accepts=[2, 1, 0], confidences=[0.9, 0.5, 0.99, 0.2])
+    s = spec_stats(engine)
+    c = np.array([0.9, 0.5, 0.99, 0.2])
+    assert s.entropy_bits == pytest.approx(float(np.sum(-(c * np.log2(c) + (1 - c) * np.log2(1 - c)))))
+    assert s.confidences == 4 and s.confidence_entropy() == pytest.approx(engine.confidence_entropy)
+    assert s.acceptance_by_position() == [2 / 3, 1 / 2, 0.0]
+    s.add(SpecStats(position_attempts=[1, 1, 1, 2], position_accepts=[1, 1, 1, 1], entropy_bits=1.0, confidences=1))
+    assert s.position_attempts == [4, 3, 2, 2] and s.position_accepts == [3, 2, 1, 1]  # elementwise, padded
+    assert s.acceptance_by_position() == [3 / 4, 2 / 3, 1 / 2, 1 / 2] and s.confidences == 5
+    assert SpecStats().confidence_entropy() is None and SpecStats().acceptance_by_position() == []
+
+
+def test_health_block_names_the_breaching_shards_and_signals():
+    from transforms.health import HealthThresholds, check_health, health_line
+
+    rows = [
+        {"shard": "a", "correction_rate": 0.10, "confidence_entropy": 0.5, "gpu_mem_fragmentation_peak": None},
+        {"shard": "b", "correction_rate": 0.40, "confidence_entropy": 0.9, "gpu_mem_fragmentation_peak": 0.02},
+        {"shard": "c", "correction_rate": None, "confidence_entropy": None, "gpu_mem_fragmentation_peak": 0.20},  # nothing drafted
+    ]
+    totals = {"correction_rate": 0.3, "confidence_entropy": 0.7, "gpu_mem_fragmentation_peak": 0.20}
+    health = check_health(rows, totals, HealthThresholds())
+    assert [(b["shard"], b["signal"]) for b in health["shards"]] == [
+        ("b", "correction_rate"), ("b", "confidence_entropy"), ("c", "gpu_mem_fragmentation_peak")]
+    assert [b["signal"] for b in health["run"]] == ["correction_rate", "gpu_mem_fragmentation_peak"] and not health["ok"]
+    assert health_line(health).startswith("Health: correction_rate 0.3 above 0.15; gpu_mem_fragmentation_peak 0.2 above 0.05;")
+    relaxed = HealthThresholds(max_correction_rate=0.5, max_confidence_entropy=1.0, max_gpu_mem_fragmentation=0.5)
+    assert check_health(rows, totals, relaxed)["ok"] and health_line(check_health(rows, totals, relaxed)) is None

@@ -29,6 +29,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from dspark.fallbacks import Attempt, is_out_of_memory
+from dspark.metrics import entropy_bits
 from transforms.prompts import clip, render, text_fields
 from transforms.records import BatchReport, DeadLetter, GenerationRecord, PromptRow, SpecStats
 from transforms.schema import ErrorType
@@ -127,6 +128,7 @@ def spec_stats(stats: Any) -> SpecStats:
     accepted = int(getattr(stats, "accepted", 0) or 0)
     prefills = int(getattr(stats, "prefills", 1))
     emitted = getattr(stats, "emitted", None)
+    confidences = list(getattr(stats, "confidences", None) or [])
     return SpecStats(
         drafted=int(getattr(stats, "drafted", 0) or 0),
         verified=int(getattr(stats, "verified", 0) or 0),
@@ -134,6 +136,10 @@ def spec_stats(stats: Any) -> SpecStats:
         rounds=rounds,
         prefills=prefills,
         emitted=int(emitted) if emitted is not None else prefills + accepted + rounds,
+        entropy_bits=entropy_bits(confidences),
+        confidences=len(confidences),
+        position_attempts=[int(n) for n in getattr(stats, "position_attempts", None) or []],
+        position_accepts=[int(n) for n in getattr(stats, "position_accepts", None) or []],
     )
 
 
@@ -373,8 +379,9 @@ class UsageSampler:
 
     def start(self) -> "UsageSampler":
         try:
-            from dspark.hardware import UtilizationSampler
+            from dspark.hardware import UtilizationSampler, reset_cuda_peaks
 
+            reset_cuda_peaks(self.device)  # this call's allocator peaks: its fragmentation
             self._sampler = UtilizationSampler(interval_s=0.5, device=self.device).start()
         except Exception:  # never let monitoring fail a batch
             self._sampler = None
@@ -384,15 +391,18 @@ class UsageSampler:
     def stop(self) -> dict:
         if self._sampler is not None:
             try:
+                from dspark.hardware import cuda_memory
+
                 report = self._sampler.stop()
-                return {k: v for k, v in report.as_dict().items() if k in _USAGE_KEYS}
+                usage = {k: v for k, v in report.as_dict().items() if k in _USAGE_KEYS}
+                return usage | {"gpu_mem_fragmentation_peak": (cuda_memory(self.device) or {}).get("peak_fragmentation")}
             except Exception:
                 pass
             return dict.fromkeys(_USAGE_KEYS)
         return _psutil_stop(self._fallback, self.device)
 
 
-_USAGE_KEYS = ("device", "gpu_util_mean", "gpu_mem_peak_bytes", "cpu_util_mean", "rss_peak_bytes")
+_USAGE_KEYS = ("device", "gpu_util_mean", "gpu_mem_peak_bytes", "gpu_mem_fragmentation_peak", "cpu_util_mean", "rss_peak_bytes")
 
 
 def _psutil_start() -> tuple[float, float] | None:

@@ -2,7 +2,7 @@
 folder, the run (in committed parts on local runners) and the run summary.
 
     check_launch -> check_writable -> prepare_output (clears or plans --resume) -> run_parts
-                 -> build_summary -> write_summary
+                 -> build_summary -> write_run_report (report.md) -> write_summary
 
 Everything that can fail on the user's input fails before anything is deleted or any model
 loads. `pipelines.generate` turns options into a `Launch` and calls `run`.
@@ -17,13 +17,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from transforms.health import HealthThresholds, health_line
 from transforms.job import GenerateFromShards, JobSpec, commit_parts, job_settings, unit_identities
-from transforms.outputs import ProgressHook, check_writable, prepare_output
+from transforms.outputs import ProgressHook, check_writable, delete_files, inside, literal, matching, prepare_output
 from transforms.preflight import Preflight, check_inputs, limit_rows
-from transforms.summary import beam_counters, build_summary, write_summary
+from transforms.run_report import REPORT_FILES, write_run_report
+from transforms.schema import SHARD_METRICS_DIR
+from transforms.summary import beam_counters, build_summary, read_output_table, write_summary
 
 LOG = logging.getLogger("pipelines.generate")
 LOCAL_RUNNERS = ("DirectRunner", "direct", "PrismRunner", "prism", "InteractiveRunner")
+
+
+class HealthError(RuntimeError):
+    """--fail-on-health: the run finished and wrote everything, but a health signal breached."""
 
 
 class ConfigError(ValueError):
@@ -41,6 +48,8 @@ class Launch:
     beam_flags: tuple[str, ...] = ()
     resume: bool = False
     limit_per_shard: int | None = None
+    health: HealthThresholds = HealthThresholds()
+    fail_on_health: bool = False
     config: dict[str, Any] = field(default_factory=dict)  # the resolved options, for run_summary.json
 
 
@@ -193,6 +202,7 @@ def run(launch: Launch, generator_factory=None, on_progress: ProgressHook | None
     pre = check_launch(launch)
     check_writable(job.output)  # before anything is deleted or any model loads
     plan = prepare_output(job.output, launch.resume, unit_identities(pre), job_settings(job))
+    delete_files([f for name in REPORT_FILES for f in matching(literal(inside(job.output, name)))])  # the old run's report
     for shard in plan.changed:
         LOG.warning("Input file changed since its outputs were written; generating it again: %s", shard)
     if launch.resume:
@@ -207,9 +217,20 @@ def run(launch: Launch, generator_factory=None, on_progress: ProgressHook | None
               "files_processed": len(plan.todo), "files_changed_since": plan.changed,
               "complete_files_kept_from_other_inputs": len(plan.kept_other)}
     summary = build_summary(job.output, wall_s, launch.config | {"beam_flags": list(launch.beam_flags)},
-                            counters, skipped, processed=set(plan.todo)) | {"resume": resume}
-    path = write_summary(job.output, summary)
-    LOG.info("%s; summary: %s", end_of_run(summary["totals"]), path)
+                            counters, skipped, processed=set(plan.todo), thresholds=launch.health) | {"resume": resume}
+    closing = end_of_run(summary["totals"])
+    try:  # the report is for reading: it never fails a run whose outputs are all written
+        report = write_run_report(job.output, summary, read_output_table(job.output, SHARD_METRICS_DIR), closing)
+    except Exception as exc:  # noqa: BLE001
+        report = f"not written ({type(exc).__name__}: {exc})"
+        LOG.warning("Run report %s", report)
+    path = write_summary(job.output, summary)  # last: its presence says the run finished
+    LOG.info("%s; summary: %s; report: %s", closing, path, report)
+    unhealthy = health_line(summary["health"])
+    if unhealthy:
+        LOG.warning("%s", unhealthy)
+        if launch.fail_on_health:
+            raise HealthError(f"{unhealthy}; the outputs are complete (--fail-on-health)")
     return summary
 
 

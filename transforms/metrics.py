@@ -132,12 +132,16 @@ def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
         "wall_s": acc.wall_s,
         "tokens_per_s": ratio(acc.output_tokens, acc.wall_s),
         **s.rates(),  # mean_accepted_length, acceptance_rate, correction_rate, mean_verify_budget
+        "confidence_entropy": s.confidence_entropy(),
+        "acceptance_by_position": s.acceptance_by_position(),
         "p50_latency_s": percentile(acc.latencies, 50),
         "p99_latency_s": percentile(acc.latencies, 99),
         "device": ", ".join(devices) if devices else None,
         "dtype": ", ".join(dtypes) if dtypes else None,
         "gpu_util_mean": time_weighted_mean(acc.batches, "gpu_util_mean"),
         "gpu_mem_peak_bytes": peak(acc.batches, "gpu_mem_peak_bytes"),
+        "gpu_mem_fragmentation_peak": max((b.gpu_mem_fragmentation_peak for b in acc.batches
+                                           if b.gpu_mem_fragmentation_peak is not None), default=None),
         "cpu_util_mean": time_weighted_mean(acc.batches, "cpu_util_mean"),
         "rss_peak_bytes": peak(acc.batches, "rss_peak_bytes"),
     }

@@ -113,9 +113,9 @@ class Marker:
     identity: dict
     settings: dict
     rows: dict[str, int]  # folder -> rows written (folders without a file are absent)
-    # summed speculation counters (drafted, verified, accepted, rounds, emitted): the run
-    # summary's job-wide ratios are computed from these, so they cover resumed shards too
-    spec: dict[str, int] = field(default_factory=dict)
+    # summed speculation counters and health signals (`SpecStats` fields): the run summary's
+    # job-wide ratios are computed from these, so they cover resumed shards too
+    spec: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         fields = {"shard": self.shard, "identity": self.identity, "settings": self.settings, "rows": self.rows, "spec": self.spec}
@@ -124,8 +124,7 @@ class Marker:
     @classmethod
     def from_json(cls, text: str) -> "Marker":
         d = json.loads(text)
-        return cls(d["shard"], d["identity"], d["settings"], {k: int(v) for k, v in d["rows"].items()},
-                   {k: int(v) for k, v in d.get("spec", {}).items()})
+        return cls(d["shard"], d["identity"], d["settings"], {k: int(v) for k, v in d["rows"].items()}, dict(d.get("spec", {})))
 
     def files(self, output: str) -> list[str]:
         name = output_name(self.shard)
@@ -299,7 +298,7 @@ class WriteShardOutputsDoFn(beam.DoFn):
         self.on_progress = on_progress
         self.shards_written = Metrics.counter("dspark", "shards_written")
 
-    def _write_files(self, name: str, rows: Iterable[tuple[str, dict]], spec: dict[str, int]) -> dict[str, int]:
+    def _write_files(self, name: str, rows: Iterable[tuple[str, dict]], spec: dict[str, Any]) -> dict[str, int]:
         """Write the data files; the SPEC_COUNTS element goes into `spec` (for the marker)."""
         writers: dict[str, ParquetFileWriter] = {}
         try:
@@ -323,7 +322,7 @@ class WriteShardOutputsDoFn(beam.DoFn):
     def process(self, element: tuple[str, Iterable[tuple[str, dict]]]):
         shard, rows = element
         name = output_name(shard)
-        spec: dict[str, int] = {}
+        spec: dict[str, Any] = {}
         counts = self._write_files(name, rows, spec)
         if self.on_progress is not None:
             self.on_progress(shard, "files_written")

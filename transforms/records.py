@@ -51,7 +51,9 @@ class DeadLetter:
 
 @dataclass
 class SpecStats:
-    """Speculation counters of one request, summed per shard (ratios are computed at the end)."""
+    """Speculation counters of one request, summed per shard (ratios are computed at the end),
+    and the evaluation plan's health signals: the confidences' summed binary entropy and the
+    per-depth attempts and acceptances behind conditional acceptance by draft position."""
 
     drafted: int = 0
     verified: int = 0
@@ -59,19 +61,36 @@ class SpecStats:
     rounds: int = 0
     prefills: int = 0
     emitted: int = 0
+    entropy_bits: float = 0.0  # summed over the verified confidences counted in `confidences`
+    confidences: int = 0
+    position_attempts: list[int] = field(default_factory=list)  # index k-1: draft depth k
+    position_accepts: list[int] = field(default_factory=list)
 
     def add(self, other: "SpecStats") -> None:
-        self.drafted += other.drafted
-        self.verified += other.verified
-        self.accepted += other.accepted
-        self.rounds += other.rounds
-        self.prefills += other.prefills
-        self.emitted += other.emitted
+        for name in ("drafted", "verified", "accepted", "rounds", "prefills", "emitted", "entropy_bits", "confidences"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.position_attempts = add_lists(self.position_attempts, other.position_attempts)
+        self.position_accepts = add_lists(self.position_accepts, other.position_accepts)
 
     def rates(self) -> dict:
         """tau, acceptance, correction and verify budget, defined in `dspark.metrics`."""
         return speculation_rates(verified=self.verified, accepted=self.accepted, rounds=self.rounds,
                                  emitted=self.emitted, prefills=self.prefills)
+
+    def confidence_entropy(self) -> float | None:
+        """Mean binary entropy (bits) of the verified confidences; None without any."""
+        return self.entropy_bits / self.confidences if self.confidences else None
+
+    def acceptance_by_position(self) -> list[float | None]:
+        """Conditional acceptance at draft depth 1..K: accepted / attempted, an attempt at depth
+        k counted only when depths 1..k-1 were accepted (None where never attempted)."""
+        return [a / n if n else None for a, n in zip(self.position_accepts, self.position_attempts)]
+
+
+def add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Elementwise sum, the shorter list padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 @dataclass
@@ -118,5 +137,6 @@ class BatchReport:
     dtype: str | None = None  # the dtype the target ran in (`auto` resolved)
     gpu_util_mean: float | None = None
     gpu_mem_peak_bytes: int | None = None
+    gpu_mem_fragmentation_peak: float | None = None  # (reserved - allocated) / reserved at the allocator's peak
     cpu_util_mean: float | None = None
     rss_peak_bytes: int | None = None

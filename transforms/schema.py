@@ -38,12 +38,15 @@ SHARD_METRIC_COLUMNS = (
     "acceptance_rate",
     "correction_rate",
     "mean_verify_budget",
+    "confidence_entropy",
+    "acceptance_by_position",
     "p50_latency_s",
     "p99_latency_s",
     "device",
     "dtype",
     "gpu_util_mean",
     "gpu_mem_peak_bytes",
+    "gpu_mem_fragmentation_peak",
     "cpu_util_mean",
     "rss_peak_bytes",
 )
@@ -101,9 +104,14 @@ def generations_schema(id_type: pa.DataType, kept: pa.Schema | None = None, trun
 def shard_metrics_schema() -> pa.Schema:
     ints = {"num_records", "num_ok", "num_failed", "num_duplicate_ids", "output_tokens", "gpu_mem_peak_bytes", "rss_peak_bytes"}
     strings = {"shard", "device", "dtype"}
-    return pa.schema(
-        [pa.field(c, pa.string() if c in strings else pa.int64() if c in ints else pa.float64()) for c in SHARD_METRIC_COLUMNS]
-    )
+    lists = {"acceptance_by_position"}
+
+    def arrow_type(c: str) -> pa.DataType:
+        if c in lists:
+            return pa.list_(pa.float64())
+        return pa.string() if c in strings else pa.int64() if c in ints else pa.float64()
+
+    return pa.schema([pa.field(c, arrow_type(c)) for c in SHARD_METRIC_COLUMNS])
 
 
 def dead_letter_schema(id_type: pa.DataType) -> pa.Schema:

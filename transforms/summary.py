@@ -7,16 +7,19 @@ import json
 import platform
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import fields
 from importlib import metadata
 from typing import Any
 
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from dspark.metrics import ratio, speculation_rates
+from dspark.metrics import ratio
 from transforms import schema as S
+from transforms.health import HealthThresholds, check_health
 from transforms.outputs import Marker, literal, read_markers, write_text_atomically
 from transforms.preflight import open_binary
+from transforms.records import SpecStats
 
 VERSIONED_PACKAGES = ("dspark", "apache-beam", "torch", "transformers", "pyarrow", "numpy")
 
@@ -42,12 +45,13 @@ def read_output_table(output: str, folder: str) -> list[dict]:
     return rows
 
 
-def spec_totals(markers: list[Marker]) -> Counter:
+def spec_totals(markers: list[Marker]) -> SpecStats:
     """Speculation counters summed over every complete shard in DIR (this run's and, after
     --resume, earlier runs'), so the job-wide ratios cover every generated row."""
-    totals: Counter = Counter()
+    names = {f.name for f in fields(SpecStats)}
+    totals = SpecStats()
     for m in markers:
-        totals.update(m.spec)
+        totals.add(SpecStats(**{k: v for k, v in m.spec.items() if k in names}))
     return totals
 
 
@@ -66,7 +70,7 @@ def beam_counters(result: Any) -> dict[str, int]:
 
 
 def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[str, int], skipped_files: list[dict],
-                  processed: Collection[str] | None = None) -> dict:
+                  processed: Collection[str] | None = None, thresholds: HealthThresholds | None = None) -> dict:
     """Totals over every complete shard in DIR; speeds over the shards this run `processed`
     (all of them when None), so a `--resume` that finds nothing to do reports no speed."""
     metrics = read_output_table(output, S.SHARD_METRICS_DIR)
@@ -77,7 +81,6 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
     engine_wall = sum(m["wall_s"] for m in this_run)
     load_s = counters.get("dspark.model_load_ms", 0) / 1000
     spec = spec_totals(read_markers(output))
-    c = lambda name: spec.get(name, 0)  # noqa: E731
     totals = {
         "num_shards": len(metrics),
         "num_records": sum(m["num_records"] for m in metrics),
@@ -95,14 +98,19 @@ def build_summary(output: str, job_wall_s: float, config: dict, counters: dict[s
         "tokens_per_s": ratio(run_tokens, job_wall_s) if this_run else None,
         "engine_tokens_per_s": ratio(run_tokens, engine_wall) if this_run else None,
         # mean_accepted_length, acceptance_rate, correction_rate, mean_verify_budget
-        **speculation_rates(verified=c("verified"), accepted=c("accepted"), rounds=c("rounds"), emitted=c("emitted"),
-                            prefills=c("prefills")),
+        **spec.rates(),
+        # the evaluation plan's health signals over every complete shard (health: the checks)
+        "confidence_entropy": spec.confidence_entropy(),
+        "acceptance_by_position": spec.acceptance_by_position(),
+        "gpu_mem_fragmentation_peak": max((m["gpu_mem_fragmentation_peak"] for m in metrics
+                                           if m.get("gpu_mem_fragmentation_peak") is not None), default=None),
         # what `--dtype auto` became on the workers (None when no shard file records a dtype)
         "dtype": ", ".join(sorted({m["dtype"] for m in metrics if m.get("dtype")})) or None,
         "dead_letter_by_error_type": dict(sorted(Counter(d["error_type"] for d in dead).items())),
     }
     return {
         "totals": totals,
+        "health": check_health(metrics, totals, thresholds or HealthThresholds()),
         "skipped_files": skipped_files,
         "config": config,
         "versions": package_versions(),

@@ -10,33 +10,11 @@ import psutil
 import torch
 
 from dspark.evaluation.quality import linear_slope
+from dspark.hardware import cuda_memory
 
 
 def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
-
-
-def fragmentation(reserved: int | None, allocated: int | None) -> float | None:
-    """(reserved - allocated) / reserved: allocator memory held but not in use."""
-    if not reserved or allocated is None:
-        return None
-    return (reserved - allocated) / reserved
-
-
-def cuda_memory(device: torch.device) -> dict | None:
-    """Current and peak allocated/reserved bytes and fragmentation; None off CUDA."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    alloc, res = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    peak_alloc, peak_res = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    return {
-        "allocated_bytes": alloc,
-        "reserved_bytes": res,
-        "peak_allocated_bytes": peak_alloc,
-        "peak_reserved_bytes": peak_res,
-        "fragmentation": fragmentation(res, alloc),
-        "peak_fragmentation": fragmentation(peak_res, peak_alloc),
-    }
 
 
 def _tensors(obj, depth: int, seen: set[int]) -> Iterable[torch.Tensor]:
