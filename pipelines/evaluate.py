@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     soak_sc = by_name.get(args.soak_scenario) or scenarios[0]
     out = Path(args.out)
     raw = RawWriter(out, references)  # measurements are saved as each run ends
+    for stale in ("results.json", "report.md"):  # an earlier run's: until this one is summarised, none
+        (out / stale).unlink(missing_ok=True)
 
     log(f"loading target {args.target} ({args.dtype}, {args.device})")
     target = load_model(args.target, device=args.device, dtype=args.dtype)

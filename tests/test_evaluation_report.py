@@ -474,6 +474,8 @@ def test_mt_bench_turns_and_reference_lists_are_scored_turn_by_turn(tmp_path, ti
         raise AttributeError("'list' object has no attribute 'lower'")
 
     monkeypatch.setattr(evaluate, "build_results", broken)
+    out.mkdir()
+    (out / "results.json").write_text("{}")  # an earlier run's: gone once this one starts
     with pytest.raises(AttributeError), contextlib.redirect_stdout(io.StringIO()):
         evaluate.main(argv)
     assert not (out / "results.json").exists()
