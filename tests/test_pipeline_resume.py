@@ -332,7 +332,8 @@ def test_a_shard_reached_through_dot_dot_writes_only_under_the_output_folder(tin
     names = {p.relative_to(out).as_posix() for p in new if p.is_file()}
     stem = O.output_name(next(iter(read_folder(out, "generations")))["shard"])
     assert names == {f"generations/{stem}.parquet", f"dead_letter/{stem}.parquet", f"shard_metrics/{stem}.parquet",
-                     f"_complete/{stem}.json", "run_summary.json"}
+                     f"_complete/{stem}.json", "run_summary.json", "report.md", "report_shards.png",
+                     "report_acceptance_by_position.png"}
     assert stem.startswith("touch_pwned-")
 
 
