@@ -29,7 +29,7 @@ import shlex
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -234,8 +234,6 @@ def load_sweep_methods(methods: list[str], drafters: list[str]) -> list[str]:
 
 def repeated(prompts: list, times: int) -> list:
     """The prompts `times` over, later passes with ids suffixed `~2`, `~3` ... (ids stay unique)."""
-    from dataclasses import replace
-
     return list(prompts) + [replace(p, id=f"{p.id}~{r}") for r in range(2, max(1, times) + 1) for p in prompts]
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from transforms.launch import ConfigError  # options and the launch's checks share it
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_INPUT = str(REPO_ROOT / "data" / "sample_shards" / "*.parquet")
 LOG = logging.getLogger("pipelines.generate")
@@ -268,9 +270,6 @@ def probability(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
-
-
-from transforms.launch import ConfigError  # noqa: E402 - options and launch checks share it
 
 
 def config_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> tuple[list[str], dict]:
