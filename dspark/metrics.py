@@ -75,6 +75,12 @@ def speculation_rates(*, verified: int, accepted: int, rounds: int, emitted: int
     }
 
 
+def add_counts(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """Per-depth counts summed elementwise, the shorter list padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip([*a, *[0] * (n - len(a))], [*b, *[0] * (n - len(b))])]
+
+
 def entropy_bits(confidences: Sequence[float]) -> float:
     """Summed binary entropy (bits) of confidences; divided by their count it is the mean the
     evaluation plan watches (near 1: the confidence head cannot tell good drafts from bad)."""
@@ -171,10 +177,8 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         for name in ("drafted", "verified", "accepted", "rounds", "prefills", "drafted_rounds", "emitted", "draft_s", "verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.position_attempts), len(other.position_attempts))
-        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
-        self.position_attempts = [a + b for a, b in zip(pad(self.position_attempts), pad(other.position_attempts))]
-        self.position_accepts = [a + b for a, b in zip(pad(self.position_accepts), pad(other.position_accepts))]
+        self.position_attempts = add_counts(self.position_attempts, other.position_attempts)
+        self.position_accepts = add_counts(self.position_accepts, other.position_accepts)
         self.confidences.extend(other.confidences)
 
     def summary(self) -> dict:

@@ -112,9 +112,9 @@ def time_weighted_mean(batches: list[BatchReport], attr: str) -> float | None:
     return sum(v * w for v, w in pairs) / total if total > 0 else sum(v for v, _ in pairs) / len(pairs)
 
 
-def peak(batches: list[BatchReport], attr: str) -> int | None:
-    values = [getattr(b, attr) for b in batches if getattr(b, attr) is not None]
-    return int(max(values)) if values else None
+def peak(batches: list[BatchReport], attr: str) -> Any:
+    """The largest reading over the engine calls (None when no call has one)."""
+    return max((getattr(b, attr) for b in batches if getattr(b, attr) is not None), default=None)
 
 
 def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
@@ -140,8 +140,7 @@ def shard_metrics_row(shard: str, acc: ShardAccumulator) -> dict:
         "dtype": ", ".join(dtypes) if dtypes else None,
         "gpu_util_mean": time_weighted_mean(acc.batches, "gpu_util_mean"),
         "gpu_mem_peak_bytes": peak(acc.batches, "gpu_mem_peak_bytes"),
-        "gpu_mem_fragmentation_peak": max((b.gpu_mem_fragmentation_peak for b in acc.batches
-                                           if b.gpu_mem_fragmentation_peak is not None), default=None),
+        "gpu_mem_fragmentation_peak": peak(acc.batches, "gpu_mem_fragmentation_peak"),
         "cpu_util_mean": time_weighted_mean(acc.batches, "cpu_util_mean"),
         "rss_peak_bytes": peak(acc.batches, "rss_peak_bytes"),
     }

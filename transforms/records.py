@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark.metrics import speculation_rates
+from dspark.metrics import add_counts, speculation_rates
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class SpecStats:
     def add(self, other: "SpecStats") -> None:
         for name in ("drafted", "verified", "accepted", "rounds", "prefills", "emitted", "entropy_bits", "confidences"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.position_attempts = add_lists(self.position_attempts, other.position_attempts)
-        self.position_accepts = add_lists(self.position_accepts, other.position_accepts)
+        self.position_attempts = add_counts(self.position_attempts, other.position_attempts)
+        self.position_accepts = add_counts(self.position_accepts, other.position_accepts)
 
     def rates(self) -> dict:
         """tau, acceptance, correction and verify budget, defined in `dspark.metrics`."""
@@ -85,12 +85,6 @@ class SpecStats:
         """Conditional acceptance at draft depth 1..K: accepted / attempted, an attempt at depth
         k counted only when depths 1..k-1 were accepted (None where never attempted)."""
         return [a / n if n else None for a, n in zip(self.position_accepts, self.position_attempts)]
-
-
-def add_lists(a: list[int], b: list[int]) -> list[int]:
-    """Elementwise sum, the shorter list padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 @dataclass
